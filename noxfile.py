@@ -1,0 +1,63 @@
+"""Developer sessions. `nox -s lint typecheck tests` is what CI runs (see .ci/run and the README).
+
+Every session installs torch==2.13.0 (the CPU build, from local disk on the dev machines) *first* and
+keeps it pinned with PIP_CONSTRAINT for every later install: any other torch version, or a dependency
+asking for one, would pull several GB of CUDA wheels.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+CONSTRAINTS = str(ROOT / "constraints" / "cpu.txt")
+PINNED = {"PIP_CONSTRAINT": CONSTRAINTS}
+
+nox.options.sessions = ["lint", "typecheck", "tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+
+def install_project(session: nox.Session, extras: str) -> None:
+    session.install("torch==2.13.0", env=PINNED)
+    session.install("-e", f".[{extras}]", env=PINNED)
+    # SGLang's own /generate schema (sglang/api/v1/api_types.py) validates our client and engine;
+    # --no-deps: its dependencies would replace torch with a CUDA build.
+    session.install("--no-deps", "sglang==0.5.23", env=PINNED)
+
+
+@nox.session(python="3.11")
+def tests(session: nox.Session) -> None:
+    """The CPU test suite (the GPU tests in tests/gpu skip themselves, with the reason shown)."""
+    install_project(session, "test")
+    session.run("pytest", *session.posargs, env={"WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"})
+
+
+@nox.session(python="3.11")
+def lint(session: nox.Session) -> None:
+    """ruff check + ruff format --check."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", "src", "tests", "recipes", "benchmarks", "noxfile.py")
+    session.run("ruff", "format", "--check", "src", "tests", "recipes", "benchmarks", "noxfile.py")
+
+
+@nox.session(python="3.11")
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict on src/miles_aio."""
+    install_project(session, "dev")
+    session.run("mypy")
+
+
+@nox.session(python="3.11")
+def bench(session: nox.Session) -> None:
+    """Run the benchmarks and write their JSON results under bench-results/."""
+    install_project(session, "test")
+    session.run("python", "-m", "benchmarks.pipeline", "--output", "bench-results/pipeline.json")
+
+
+@nox.session(python="3.11")
+def quickstart(session: nox.Session) -> None:
+    """Run the default recipe (extra arguments go to the recipe)."""
+    install_project(session, "test")
+    session.run("python", "-m", "recipes.simulated", *session.posargs)

@@ -1,0 +1,1 @@
+"""Runnable recipes: `python -m recipes.<name> --help`."""

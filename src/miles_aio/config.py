@@ -1,0 +1,236 @@
+"""Typed, frozen configuration: one dataclass per component, one field per command-line flag.
+
+Every field's flag is `--` + its name with `_` → `-` (miles' flag names), and its help text lives in the
+field's metadata, so the CLI (`miles_aio.cli`) and the docs are generated from this file. Invalid values
+raise `ConfigError` naming the flags, from `__post_init__`, so a bad config can never be constructed —
+the CLI turns that into exit code 2 before any process starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from miles_aio.errors import ConfigError
+
+__all__ = [
+    "BufferConfig",
+    "DataConfig",
+    "DriverConfig",
+    "RolloutConfig",
+    "RunConfig",
+    "SchedulerConfig",
+    "flag",
+    "opt",
+]
+
+Granularity = Literal["sample", "group"]
+UnusedHandler = Literal["retry", "drop"]
+PauseMode = Literal["retract", "in_place", "abort"]
+
+
+def opt(
+    default: Any = dataclasses.MISSING,
+    help: str = "",
+    *,
+    metavar: str | None = None,
+) -> Any:
+    """A config field whose CLI help (and metavar) live in its metadata."""
+    metadata = {"help": help, "metavar": metavar}
+    if default is dataclasses.MISSING:
+        return field(metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def flag(name: str) -> str:
+    """The command-line flag of a config field: `max_weight_staleness` → `--max-weight-staleness`."""
+    return "--" + name.replace("_", "-")
+
+
+def _positive(value: float | None, name: str, *, allow_none: bool = False, zero_ok: bool = False) -> None:
+    if value is None:
+        if allow_none:
+            return
+        raise ConfigError("is required", flags=[flag(name)])
+    if value < 0 or (value == 0 and not zero_ok):
+        raise ConfigError(f"must be {'>= 0' if zero_ok else '> 0'}, got {value}", flags=[flag(name)])
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataConfig:
+    """Where prompts come from (`miles_aio.data.DataSource`)."""
+
+    prompt_data: Path | None = opt(None, "JSONL file of prompts, one JSON object per line.")
+    input_key: str = opt("prompt", "Key of the prompt (a string or a list of chat messages) in each line.")
+    label_key: str | None = opt("label", "Key of the label passed to the reward function.")
+    metadata_key: str | None = opt(None, "Key of a per-prompt metadata object copied into Sample.metadata.")
+    rollout_shuffle: bool = opt(True, "Shuffle the prompts each epoch (seeded by --seed and the epoch).")
+    seed: int = opt(42, "Seed for shuffling and sampling.")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RolloutConfig:
+    """What each rollout does and how many run at once."""
+
+    rollout_batch_size: int = opt(help="Prompt groups consumed per training step.")
+    n_samples_per_prompt: int = opt(1, "Samples per prompt (the group size).")
+    rollout_max_response_len: int = opt(1024, "max_new_tokens of each generate call.")
+    rollout_max_context_len: int | None = opt(None, "Cap on prompt + response tokens of a sample.")
+    rollout_temperature: float = opt(1.0, "Sampling temperature.")
+    rollout_top_p: float = opt(1.0, "Nucleus sampling threshold.")
+    rollout_top_k: int = opt(-1, "Top-k sampling (-1: off).")
+    rollout_stop_token_ids: tuple[int, ...] = opt((), "Extra token ids that end a response.")
+    custom_generate_function_path: str = opt(
+        "miles_aio.rollout.single_turn:generate",
+        "Rollout coroutine `async def generate(ctx, sample, sampling_params) -> Sample | list[Sample]`.",
+        metavar="PKG.MOD:ATTR",
+    )
+    custom_rm_path: str | None = opt(
+        None,
+        "Reward coroutine `async def reward(ctx, sample) -> float | dict` "
+        "(with --group-rm: `async def reward(ctx, samples) -> list`).",
+        metavar="PKG.MOD:ATTR",
+    )
+    group_rm: bool = opt(False, "Call the reward function once per group instead of once per sample.")
+    dynamic_sampling_filter_path: str | None = opt(
+        None,
+        "Put-time group filter `fn(ctx, group) -> bool | (keep, reason)`; rejected groups are dropped.",
+        metavar="PKG.MOD:ATTR",
+    )
+    sglang_server_concurrency: int = opt(512, "Concurrent generate calls per engine (the limiter's size).")
+
+    def __post_init__(self) -> None:
+        _positive(self.rollout_batch_size, "rollout_batch_size")
+        _positive(self.n_samples_per_prompt, "n_samples_per_prompt")
+        _positive(self.rollout_max_response_len, "rollout_max_response_len")
+        _positive(self.rollout_max_context_len, "rollout_max_context_len", allow_none=True)
+        _positive(self.rollout_temperature, "rollout_temperature", zero_ok=True)
+        _positive(self.sglang_server_concurrency, "sglang_server_concurrency")
+        if not 0 < self.rollout_top_p <= 1:
+            raise ConfigError(f"must be in (0, 1], got {self.rollout_top_p}", flags=["--rollout-top-p"])
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SchedulerConfig:
+    """When a new prompt group may be submitted (`miles_aio.scheduler.policy`)."""
+
+    async_max_concurrent_samples: int | None = opt(
+        None, "In-flight bound in samples (default: rollout_batch_size × n_samples_per_prompt)."
+    )
+    rollout_submission_granularity: Granularity = opt(
+        "sample", "When capacity frees: per finished sample, or when a group's slowest sample finishes."
+    )
+    max_admission_staleness: int | None = opt(
+        None,
+        "Admission pacing: admit a group only if it cannot be more than K versions old when consumed "
+        "(default: off).",
+        metavar="K",
+    )
+
+    def __post_init__(self) -> None:
+        _positive(self.async_max_concurrent_samples, "async_max_concurrent_samples", allow_none=True)
+        _positive(self.max_admission_staleness, "max_admission_staleness", allow_none=True, zero_ok=True)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BufferConfig:
+    """The DataBuffer between the rollout worker and the driver (`miles_aio.buffer`)."""
+
+    async_data_buffer_capacity_factor: float = opt(
+        2.0, "Buffer capacity = floor(factor × rollout_batch_size) groups; a full buffer blocks rollout."
+    )
+    max_weight_staleness: int | None = opt(
+        None, "Consume-time filter: groups older than this many versions go to the unused handler."
+    )
+    async_unused_samples_handler: UnusedHandler = opt(
+        "drop", "Aborted and stale groups: re-admit their prompt (retry, served first) or drop them."
+    )
+    custom_async_data_buffer_path: str | None = opt(
+        None, "A DataBuffer subclass replacing the default buffer.", metavar="PKG.MOD:CLASS"
+    )
+
+    def __post_init__(self) -> None:
+        factor = self.async_data_buffer_capacity_factor
+        if not (factor > 0 and math.isfinite(factor)):
+            raise ConfigError(f"must be > 0, got {factor}", flags=["--async-data-buffer-capacity-factor"])
+        _positive(self.max_weight_staleness, "max_weight_staleness", allow_none=True, zero_ok=True)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DriverConfig:
+    """The controller's step loop: how long to run, when to push weights, save and evaluate."""
+
+    num_rollout: int = opt(help="Training steps (rollouts) to run.")
+    update_weights_interval: int = opt(1, "Push weights to the engines every N steps.")
+    pause_generation_mode: PauseMode = opt(
+        "retract", "In-flight requests during a weight push: requeue (retract), freeze, or abort."
+    )
+    partial_rollout: bool = opt(
+        False, "Continue requests aborted by a pause under the new weights, keeping their tokens."
+    )
+    save: Path | None = opt(None, "Checkpoint directory.")
+    save_interval: int | None = opt(None, "Save a checkpoint every N steps (needs --save).")
+    load: Path | None = opt(None, "Resume from this checkpoint directory.")
+    eval_interval: int | None = opt(None, "Evaluate every N steps.")
+    stall_warning_s: float = opt(30.0, "Log a warning when the drain waits this long without a group.")
+
+    def __post_init__(self) -> None:
+        _positive(self.num_rollout, "num_rollout", zero_ok=True)
+        _positive(self.update_weights_interval, "update_weights_interval")
+        _positive(self.save_interval, "save_interval", allow_none=True)
+        _positive(self.eval_interval, "eval_interval", allow_none=True)
+        _positive(self.stall_warning_s, "stall_warning_s")
+        if self.pause_generation_mode == "abort" and not self.partial_rollout:
+            raise ConfigError(
+                "abort would throw away every in-flight request; it needs --partial-rollout to continue them",
+                flags=["--pause-generation-mode", "--partial-rollout"],
+            )
+        if self.save_interval is not None and self.save is None:
+            raise ConfigError(
+                "a save interval needs a checkpoint directory", flags=["--save-interval", "--save"]
+            )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunConfig:
+    """A whole run. Cross-component rules live in `__post_init__`."""
+
+    data: DataConfig
+    rollout: RolloutConfig
+    scheduler: SchedulerConfig
+    buffer: BufferConfig
+    driver: DriverConfig
+    run_dir: Path = opt(Path("runs/run"), "Directory for everything the run writes.")
+
+    def __post_init__(self) -> None:
+        n = self.rollout.n_samples_per_prompt
+        cap = self.scheduler.async_max_concurrent_samples
+        if cap is not None and cap < n:
+            raise ConfigError(
+                f"the in-flight bound ({cap}) must hold at least one whole group of {n} samples",
+                flags=["--async-max-concurrent-samples", "--n-samples-per-prompt"],
+            )
+        if self.buffer_capacity_groups < 1:
+            raise ConfigError(
+                f"buffer capacity floor({self.buffer.async_data_buffer_capacity_factor} × "
+                f"{self.rollout.rollout_batch_size}) is 0 groups",
+                flags=["--async-data-buffer-capacity-factor", "--rollout-batch-size"],
+            )
+
+    @property
+    def max_in_flight_samples(self) -> int:
+        """--async-max-concurrent-samples, else rollout_batch_size × n_samples_per_prompt (as miles)."""
+        cap = self.scheduler.async_max_concurrent_samples
+        return cap if cap is not None else self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
+
+    @property
+    def buffer_capacity_groups(self) -> int:
+        """floor(--async-data-buffer-capacity-factor × --rollout-batch-size)."""
+        return math.floor(self.buffer.async_data_buffer_capacity_factor * self.rollout.rollout_batch_size)
+
+    def replace(self, **changes: Any) -> RunConfig:
+        """A copy with some components (or run_dir) replaced; validation runs again."""
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,320 @@
+"""The controller: one event loop, one TaskGroup, the driver step loop of a fully async RL run.
+
+    DataSource ─► RolloutWorker ─(admit)─► RolloutPool ─► DataBuffer.put ┐
+       ▲ recycle        ▲ versions, consumed/discarded                    │
+       └── on_unused ◄──┴────────────── DataBuffer.get ◄── drain ◄────────┘
+                                                           │
+       step loop:  drain(B groups) ─► Trainer.train ─► every I steps: pause → sync → stamp → continue
+
+Tasks (all owned by `run()`'s TaskGroup):
+  rollout-worker  produces finished groups into the buffer; never waits for training.
+                  Waits for admission (in-flight bound, full buffer, pacing); unblocked by group
+                  completion, consumption and new versions.
+  drain-<step>    consumes B groups from the buffer for one step (one step ahead of training);
+                  waits for `buffer.get()`; unblocked by the worker's puts. The push after step s waits
+                  for the drain of step s+1 to finish, so a batch is drained at a single version.
+  the body        the step loop: trains, pushes weights, saves, evaluates, logs metrics.
+
+Shutdown (healthy): after the last step the worker is cancelled; in-flight groups are cancelled and
+recorded `pending_at_exit` in the ledger, the buffer is closed. Shutdown (crash): an exception in the
+worker is kept, the buffer is closed, and the next drain raises `RolloutWorkerDied` from it; any other
+failing task cancels the group and its error propagates out of `run()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from miles_aio.buffer import BufferItem, DataBuffer, DataBufferContext, FilterDecision
+from miles_aio.config import RunConfig
+from miles_aio.data.source import DataSource
+from miles_aio.errors import BufferClosed, RolloutWorkerDied
+from miles_aio.inference.base import InferenceEngine
+from miles_aio.ledger import Ledger
+from miles_aio.metrics import JsonlSink, MetricsSink, rollout_batch_metrics
+from miles_aio.plugins import Plugins
+from miles_aio.rollout.context import LimitedEngine, RolloutContext, Tokenizer
+from miles_aio.rollout.limiter import Limiter
+from miles_aio.rollout.pool import RolloutPool
+from miles_aio.scheduler.policy import AdmissionLimits, DrainSchedule
+from miles_aio.scheduler.worker import RolloutWorker
+from miles_aio.trainer.base import Trainer
+from miles_aio.types import Group
+
+__all__ = ["Controller", "RunSummary"]
+
+log = structlog.get_logger("miles_aio.controller")
+
+EvalHook = Callable[[int], Awaitable[dict[str, float]]]
+
+
+@dataclass(slots=True)
+class RunSummary:
+    steps: int = 0
+    version: int | None = None
+    wall_s: float = 0.0
+    step_times_s: list[float] = field(default_factory=list)
+    last_metrics: dict[str, float] = field(default_factory=dict)
+    ledger_counts: dict[str, int] = field(default_factory=dict)
+
+
+class Controller:
+    """Owns every component of one run. Construct it whole, then `await controller.run()` once."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        *,
+        engine: InferenceEngine,
+        trainer: Trainer,
+        source: DataSource,
+        plugins: Plugins,
+        tokenizer: Tokenizer | None = None,
+        num_engines: int = 1,
+        sinks: Sequence[MetricsSink] = (),
+        evaluate: EvalHook | None = None,
+        write_files: bool = True,
+    ) -> None:
+        self.cfg = cfg
+        self.trainer = trainer
+        self.source = source
+        self.version: int | None = None
+        self._evaluate = evaluate
+        self._write_files = write_files
+        self._worker_error: BaseException | None = None
+        run_dir = cfg.run_dir
+        self.ledger = Ledger(
+            run_dir / "ledger.jsonl" if write_files else None, dataset_size=source.dataset_size
+        )
+        self.sinks: list[MetricsSink] = [JsonlSink(run_dir / "metrics.jsonl")] if write_files else []
+        self.sinks.extend(sinks)
+        self.limiter = Limiter(cfg.rollout.sglang_server_concurrency * num_engines)
+        self.engine = LimitedEngine(engine, self.limiter)
+        self.ctx = RolloutContext(
+            engine=self.engine, tokenizer=tokenizer, config=cfg, log=structlog.get_logger("miles_aio.rollout")
+        )
+        self.buffer: DataBuffer = plugins.buffer_cls(
+            DataBufferContext(
+                config=cfg,
+                on_unused=self._on_unused,
+                on_filtered=self._on_filtered,
+                dynamic_filter=self._wrap_filter(plugins.dynamic_filter_fn),
+            )
+        )
+        self.pool = RolloutPool(
+            ctx=self.ctx,
+            generate_fn=plugins.generate_fn,
+            reward_fn=plugins.reward_fn,
+            group_rm=cfg.rollout.group_rm,
+        )
+        self.worker = RolloutWorker(
+            limits=AdmissionLimits(
+                max_in_flight_samples=cfg.max_in_flight_samples,
+                group_size=cfg.rollout.n_samples_per_prompt,
+                granularity=cfg.scheduler.rollout_submission_granularity,
+                max_admission_staleness=cfg.scheduler.max_admission_staleness,
+                schedule=DrainSchedule(
+                    batch_groups=cfg.rollout.rollout_batch_size,
+                    update_interval=cfg.driver.update_weights_interval,
+                ),
+            ),
+            source=source,
+            pool=self.pool,
+            buffer=self.buffer,
+            ledger=self.ledger,
+        )
+
+    # -- the run ---------------------------------------------------------------------------------------
+    async def run(self) -> RunSummary:
+        summary = RunSummary()
+        t0 = time.monotonic()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                await self._push_weights(1)
+                worker = tg.create_task(self._supervise_worker(), name="rollout-worker")
+                try:
+                    await self._step_loop(tg, summary)
+                finally:
+                    worker.cancel()
+        except BaseExceptionGroup as eg:
+            raise _primary(eg)  # noqa: B904 - keep the primary error's own cause chain
+        finally:
+            self.ledger.mark_pending("pending_at_exit", step=summary.steps)
+            self.ledger.close()
+            for sink in self.sinks:
+                sink.close()
+        summary.version = self.version
+        summary.wall_s = time.monotonic() - t0
+        summary.ledger_counts = dict(self.ledger.counts)
+        return summary
+
+    async def _step_loop(self, tg: asyncio.TaskGroup, summary: RunSummary) -> None:
+        cfg, loop = self.cfg.driver, asyncio.get_running_loop()
+        n = cfg.num_rollout
+        next_drain: asyncio.Task[list[BufferItem]] | None = None
+        if n > 0:
+            next_drain = tg.create_task(self._drain(0), name="drain-0")
+        for step in range(n):
+            t_step = loop.time()
+            assert next_drain is not None
+            batch = await next_drain
+            t_data = loop.time()
+            next_drain = (
+                tg.create_task(self._drain(step + 1), name=f"drain-{step + 1}") if step + 1 < n else None
+            )
+            groups = [it.group for it in batch]
+            metrics = rollout_batch_metrics(groups, version=self.version)
+            metrics.update(await self.trainer.train(step, groups))
+            for item in batch:
+                self.ledger.record("trained", item.group_index, step=step)
+            t_train = loop.time()
+            if (step + 1) % cfg.update_weights_interval == 0:
+                if next_drain is not None:
+                    await next_drain  # a batch is drained under one version: finish it before the push
+                await self._push_weights((self.version or 0) + 1)
+            t_sync = loop.time()
+            if cfg.save_interval and cfg.save and ((step + 1) % cfg.save_interval == 0 or step + 1 == n):
+                await self.save(step)
+            if self._evaluate is not None and cfg.eval_interval and (step + 1) % cfg.eval_interval == 0:
+                metrics.update(await self._evaluate(step))
+            metrics.update(self.buffer.get_metrics())
+            step_s = loop.time() - t_step
+            metrics.update(
+                {
+                    "perf/step_time_s": step_s,
+                    "perf/wait_data_s": t_data - t_step,
+                    "perf/train_s": t_train - t_data,
+                    "perf/weight_sync_s": t_sync - t_train,
+                    "rollout/policy_version": float(self.version or 0),
+                    "rollout/in_flight_groups": float(self.worker.state.in_flight_groups),
+                }
+            )
+            for sink in self.sinks:
+                sink.log(step, metrics)
+            summary.steps = step + 1
+            summary.step_times_s.append(step_s)
+            summary.last_metrics = metrics
+            log.info("step", step=step, version=self.version, **_brief(metrics))
+
+    async def _supervise_worker(self) -> None:
+        """Run the worker; keep its error for the drain (loud, with the original traceback)."""
+        try:
+            await self.worker.run()
+        except Exception as e:
+            self._worker_error = _primary(e) if isinstance(e, BaseExceptionGroup) else e
+            log.error("rollout worker died", error=repr(self._worker_error))
+        finally:
+            self.buffer.close()
+
+    async def _drain(self, step: int) -> list[BufferItem]:
+        """Take rollout_batch_size groups from the buffer for `step`, sorted by sample index."""
+        need = self.cfg.rollout.rollout_batch_size
+        batch: list[BufferItem] = []
+        while len(batch) < need:
+            self._raise_if_worker_died(step)
+            try:
+                async with asyncio.timeout(self.cfg.driver.stall_warning_s):
+                    item = await self.buffer.get(current_version=self.version)
+            except TimeoutError:
+                log.warning(
+                    f"No completed rollout groups for {self.cfg.driver.stall_warning_s}s",
+                    step=step,
+                    have=len(batch),
+                    need=need,
+                    in_flight_groups=self.worker.state.in_flight_groups,
+                )
+                continue
+            except BufferClosed:
+                self._raise_if_worker_died(step)
+                raise
+            self.worker.on_consumed(item.group_index)
+            batch.append(item)
+        batch.sort(key=lambda it: min(s.index for s in it.group))
+        return batch
+
+    def _raise_if_worker_died(self, step: int) -> None:
+        if self._worker_error is not None:
+            raise RolloutWorkerDied(f"the rollout worker died before step {step}'s batch was complete") from (
+                self._worker_error
+            )
+
+    async def _push_weights(self, version: int) -> None:
+        """pause → flush (unless in_place) → transfer → stamp the version → continue → publish."""
+        mode = self.cfg.driver.pause_generation_mode
+        await self.engine.pause_generation(mode)
+        if mode != "in_place":
+            await self.engine.flush_cache()
+        await self.trainer.sync_weights(self.engine.inner, version=version)
+        await self.engine.update_weight_version(version)
+        await self.engine.continue_generation()
+        self.version = version
+        self.worker.publish_version(version)
+
+    async def save(self, step: int) -> None:
+        """Trainer state plus everything the controller needs to resume without losing a group."""
+        assert self.cfg.driver.save is not None
+        directory = self.cfg.driver.save / f"step_{step}"
+        await self.trainer.save(step, directory)
+        state = {
+            "step": step,
+            "version": self.version,
+            "data_source": self.source.state_dict(),
+            "buffer": self.buffer.state_dict(),
+            "pending_prompt_groups": [[s.to_dict() for s in g] for g in self.worker.pending_prompt_groups()],
+        }
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "controller_state.json").write_text(json.dumps(state))
+        log.info("saved checkpoint", step=step, path=str(directory))
+
+    # -- buffer callbacks: each group's fate --------------------------------------------------------
+    def _on_unused(self, item: BufferItem, reason: str) -> None:
+        gid = item.group_index
+        self.worker.on_discarded(gid)
+        if self.cfg.buffer.async_unused_samples_handler == "retry":
+            self.ledger.record("recycled", gid, reason=reason)
+            self.source.recycle(item.prompt_group)
+        else:
+            self.ledger.record("dropped", gid, reason=reason)
+
+    def _on_filtered(self, item: BufferItem, reason: str) -> None:
+        self.worker.on_discarded(item.group_index)
+        self.ledger.record("filtered", item.group_index, reason=reason)
+
+    def _wrap_filter(self, fn: Any | None) -> Callable[[Group], FilterDecision] | None:
+        if fn is None:
+            return None
+
+        def decide(group: Group) -> FilterDecision:
+            out = fn(self.ctx, group)
+            if isinstance(out, FilterDecision):
+                return out
+            if isinstance(out, tuple):
+                return FilterDecision(bool(out[0]), str(out[1]))
+            return FilterDecision(bool(out))
+
+        return decide
+
+
+def _primary(exc: BaseException) -> BaseException:
+    """The first real error inside (nested) exception groups, for a readable traceback."""
+    while isinstance(exc, BaseExceptionGroup):
+        inner = [e for e in exc.exceptions if not isinstance(e, asyncio.CancelledError)]
+        exc = (inner or list(exc.exceptions))[0]
+    return exc
+
+
+def _brief(metrics: dict[str, float]) -> dict[str, float]:
+    keys = (
+        "rollout/reward",
+        "rollout/fully_async/avg_staleness",
+        "perf/step_time_s",
+        "rollout/fully_async/queue_size",
+    )
+    return {k.rsplit("/", 1)[-1]: round(metrics[k], 4) for k in keys if k in metrics}

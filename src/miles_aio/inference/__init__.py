@@ -1,0 +1,1 @@
+"""Inference engines: the `InferenceEngine` protocol, the SGLang HTTP client and the embedded engine."""

@@ -1,0 +1,68 @@
+"""Per-step metrics: one flat dict per step, sent to every sink. `metrics.jsonl` is always written."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from pathlib import Path
+from typing import IO, Protocol
+
+from miles_aio.types import Group, Status, group_staleness
+
+__all__ = ["JsonlSink", "MetricsSink", "rollout_batch_metrics"]
+
+
+class MetricsSink(Protocol):
+    def log(self, step: int, metrics: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonlSink:
+    """`<run-dir>/metrics.jsonl`: one JSON object per step, with `step` and every metric."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._file: IO[str] = path.open("a", encoding="utf-8")
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        clean = {k: (v if math.isfinite(v) else None) for k, v in metrics.items()}
+        self._file.write(json.dumps({"step": step, **clean}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _reward_value(r: object) -> float | None:
+    if isinstance(r, int | float):
+        return float(r)
+    if isinstance(r, dict):
+        v = r.get("reward", r.get("score"))
+        return float(v) if isinstance(v, int | float) else None
+    return None
+
+
+def rollout_batch_metrics(batch: Iterable[Group], *, version: int | None) -> dict[str, float]:
+    """rollout/* metrics of one training batch: reward, lengths, statuses.
+
+    `train_staleness_*` is measured against the policy about to be trained on the batch (`version`),
+    which is one push later than the drain-time staleness in rollout/fully_async/* under prefetch.
+    """
+    samples = [s for g in batch for s in g]
+    groups = list(batch)
+    rewards = [v for s in samples if (v := _reward_value(s.reward)) is not None]
+    lengths = [s.response_length for s in samples]
+    stale = [st for g in groups if (st := group_staleness(g, version)) is not None]
+    n = max(1, len(samples))
+    return {
+        "rollout/reward": sum(rewards) / len(rewards) if rewards else 0.0,
+        "rollout/response_len": sum(lengths) / n,
+        "rollout/truncated_ratio": sum(s.status == Status.TRUNCATED for s in samples) / n,
+        "rollout/samples": float(len(samples)),
+        "rollout/tokens": float(sum(lengths)),
+        "rollout/train_staleness_mean": sum(stale) / len(stale) if stale else 0.0,
+        "rollout/train_staleness_max": float(max(stale, default=0)),
+    }

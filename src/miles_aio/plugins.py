@@ -1,0 +1,91 @@
+"""Load user plug-ins given as import paths: `pkg.mod:attr` (or miles' dotted `pkg.mod.attr`)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from miles_aio.errors import ConfigError, PluginError
+
+if TYPE_CHECKING:
+    from miles_aio.config import RunConfig
+
+__all__ = ["Plugins", "load_object", "require_coroutine_function", "resolve_plugins"]
+
+
+def load_object(path: str) -> Any:
+    """Import `pkg.mod:attr` (or `pkg.mod.attr`) and return the attribute; PluginError names the path."""
+    if ":" in path:
+        module_name, _, attr_path = path.partition(":")
+    else:
+        module_name, _, attr_path = path.rpartition(".")
+    if not module_name or not attr_path:
+        raise PluginError(f"{path!r} is not an import path of the form pkg.mod:attr")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as e:
+        raise PluginError(f"cannot import module {module_name!r} of {path!r}: {e}") from e
+    for part in attr_path.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as e:
+            raise PluginError(f"{path!r}: module {module_name!r} has no attribute {attr_path!r}") from e
+    return obj
+
+
+def require_coroutine_function(path: str) -> Any:
+    """Load `path` and check that it is an `async def` function (rollout and reward plug-ins are)."""
+    fn = load_object(path)
+    if not inspect.iscoroutinefunction(fn):
+        raise PluginError(f"{path!r} must be an `async def` function, got {type(fn).__name__}")
+    return fn
+
+
+# -- the run's plug-ins, resolved once before anything starts ------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plugins:
+    generate_fn: Any
+    reward_fn: Any | None
+    dynamic_filter_fn: Any | None
+    buffer_cls: type[Any]
+
+
+def resolve_plugins(cfg: RunConfig) -> Plugins:
+    """Import every plug-in path of the config; a bad path is a ConfigError naming its flag."""
+    from miles_aio.buffer import DataBuffer, DefaultDataBuffer
+
+    def load(path: str, flag: str, *, coroutine: bool) -> Any:
+        try:
+            return require_coroutine_function(path) if coroutine else load_object(path)
+        except PluginError as e:
+            raise ConfigError(str(e), flags=[flag]) from e
+
+    r = cfg.rollout
+    buffer_cls: type[Any] = DefaultDataBuffer
+    if cfg.buffer.custom_async_data_buffer_path:
+        buffer_cls = load(
+            cfg.buffer.custom_async_data_buffer_path, "--custom-async-data-buffer-path", coroutine=False
+        )
+        if not (isinstance(buffer_cls, type) and issubclass(buffer_cls, DataBuffer)):
+            raise ConfigError(
+                f"{cfg.buffer.custom_async_data_buffer_path!r} is not a DataBuffer subclass",
+                flags=["--custom-async-data-buffer-path"],
+            )
+    filter_fn = None
+    if r.dynamic_sampling_filter_path:
+        filter_fn = load(r.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path", coroutine=False)
+        if not callable(filter_fn):
+            raise ConfigError(
+                f"{r.dynamic_sampling_filter_path!r} is not callable",
+                flags=["--dynamic-sampling-filter-path"],
+            )
+    return Plugins(
+        generate_fn=load(r.custom_generate_function_path, "--custom-generate-function-path", coroutine=True),
+        reward_fn=load(r.custom_rm_path, "--custom-rm-path", coroutine=True) if r.custom_rm_path else None,
+        dynamic_filter_fn=filter_fn,
+        buffer_cls=buffer_cls,
+    )

@@ -1,0 +1,164 @@
+"""What every `python -m recipes.<name>` shares: flags, validation, `--dry-run`, logging, the run.
+
+A recipe supplies its defaults and a `build` coroutine-context that starts its engines and trainer;
+`main()` does the rest. Order matters: every flag is parsed and validated and every plug-in resolved
+before `build` starts any process, so a bad config exits 2 having started nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from miles_aio.cli import build_parser, config_error_exit, config_from_namespace
+from miles_aio.config import RunConfig
+from miles_aio.controller import Controller, RunSummary
+from miles_aio.data.source import DataSource, PromptRecord, read_prompt_jsonl
+from miles_aio.errors import ConfigError
+from miles_aio.inference.base import InferenceEngine
+from miles_aio.logs import configure_logging
+from miles_aio.plugins import Plugins, resolve_plugins
+from miles_aio.rollout.context import Tokenizer
+from miles_aio.trainer.base import Trainer
+
+__all__ = ["Recipe", "RunParts", "main"]
+
+log = structlog.get_logger("miles_aio.recipe")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunParts:
+    """What a recipe's `build` yields: the started engines and trainer."""
+
+    engine: InferenceEngine
+    trainer: Trainer
+    tokenizer: Tokenizer | None
+    num_engines: int = 1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Recipe:
+    name: str
+    description: str
+    defaults: Mapping[str, Any]
+    build: Callable[[RunConfig, argparse.Namespace], AbstractAsyncContextManager[RunParts]]
+    """Start engines and trainer for the config; stop them (all of them, always) on exit."""
+    add_arguments: Callable[[argparse.ArgumentParser], None] | None = None
+    """Recipe-specific flags (they show in --help with the rest)."""
+    prompts: Callable[[RunConfig, argparse.Namespace], list[PromptRecord]] | None = None
+    """Built-in prompt data, used when --prompt-data is not given."""
+    plan: Callable[[RunConfig, argparse.Namespace], dict[str, Any]] | None = None
+    """Extra lines for the --dry-run plan (processes, engines, devices)."""
+
+
+def _parser(recipe: Recipe) -> argparse.ArgumentParser:
+    parser = build_parser(
+        f"python -m recipes.{recipe.name}", description=recipe.description, defaults=recipe.defaults
+    )
+    general = parser.add_argument_group("run")
+    general.add_argument(
+        "--dry-run", action="store_true", help="Validate the config, print the plan, start nothing."
+    )
+    general.add_argument("--log-format", choices=["console", "json"], default="console", help="Log renderer.")
+    general.add_argument("--log-level", default="INFO", help="Log level (default: INFO).")
+    if recipe.add_arguments is not None:
+        recipe.add_arguments(parser)
+    return parser
+
+
+def load_records(cfg: RunConfig, recipe: Recipe, ns: argparse.Namespace) -> list[PromptRecord]:
+    if cfg.data.prompt_data is not None:
+        return read_prompt_jsonl(cfg.data.prompt_data, cfg.data)
+    if recipe.prompts is None:
+        raise ConfigError("this recipe has no built-in prompts; give a JSONL file", flags=["--prompt-data"])
+    return recipe.prompts(cfg, ns)
+
+
+def describe_plan(cfg: RunConfig, recipe: Recipe, ns: argparse.Namespace, n_prompts: int) -> dict[str, Any]:
+    r, s, b, d = cfg.rollout, cfg.scheduler, cfg.buffer, cfg.driver
+    plan: dict[str, Any] = {
+        "recipe": recipe.name,
+        "run_dir": str(cfg.run_dir),
+        "prompts": n_prompts,
+        "steps": d.num_rollout,
+        "batch": {
+            "groups_per_step": r.rollout_batch_size,
+            "samples_per_group": r.n_samples_per_prompt,
+            "samples_per_step": r.rollout_batch_size * r.n_samples_per_prompt,
+        },
+        "scheduler": {
+            "max_in_flight_samples": cfg.max_in_flight_samples,
+            "granularity": s.rollout_submission_granularity,
+            "max_admission_staleness": s.max_admission_staleness,
+        },
+        "buffer": {
+            "capacity_groups": cfg.buffer_capacity_groups,
+            "max_weight_staleness": b.max_weight_staleness,
+            "unused_handler": b.async_unused_samples_handler,
+        },
+        "weights": {"update_interval": d.update_weights_interval, "pause_mode": d.pause_generation_mode},
+    }
+    if recipe.plan is not None:
+        plan.update(recipe.plan(cfg, ns))
+    return plan
+
+
+def main(recipe: Recipe, argv: Sequence[str] | None = None) -> RunSummary | None:
+    """Parse, validate (exit 2 on error), then either print the plan (--dry-run) or run."""
+    parser = _parser(recipe)
+    ns = parser.parse_args(argv)
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_dir = ns.run_dir or Path("runs") / f"{recipe.name}-{stamp}"
+    try:
+        cfg = config_from_namespace(ns, run_dir=run_dir)
+        plugins = resolve_plugins(cfg)
+        records = load_records(cfg, recipe, ns)
+    except ConfigError as e:
+        config_error_exit(parser, e)
+    configure_logging(ns.log_format, ns.log_level)
+    if ns.dry_run:
+        sys.stdout.write(json.dumps(describe_plan(cfg, recipe, ns, len(records)), indent=2) + "\n")
+        return None
+    return asyncio.run(_run(recipe, cfg, ns, plugins, records))
+
+
+async def _run(
+    recipe: Recipe, cfg: RunConfig, ns: argparse.Namespace, plugins: Plugins, records: list[PromptRecord]
+) -> RunSummary:
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    source = DataSource(
+        records,
+        n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
+        seed=cfg.data.seed,
+        shuffle=cfg.data.rollout_shuffle,
+    )
+    async with recipe.build(cfg, ns) as parts:
+        controller = Controller(
+            cfg,
+            engine=parts.engine,
+            trainer=parts.trainer,
+            source=source,
+            plugins=plugins,
+            tokenizer=parts.tokenizer,
+            num_engines=parts.num_engines,
+        )
+        summary = await controller.run()
+    log.info(
+        "run finished",
+        steps=summary.steps,
+        version=summary.version,
+        wall_s=round(summary.wall_s, 2),
+        run_dir=str(cfg.run_dir),
+        ledger=summary.ledger_counts,
+    )
+    return summary

@@ -1,0 +1,76 @@
+"""`RolloutContext`: everything a user's generate/reward coroutine may touch.
+
+Users never see HTTP, versions or the limiter: `ctx.engine.generate(...)` takes a limiter slot for
+the duration of one engine call (not for tool calls between turns), and the engine client handles
+routing, retries and partial-rollout continuation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, final
+
+import structlog
+
+from miles_aio.config import RunConfig
+from miles_aio.inference.base import InferenceEngine, PauseMode
+from miles_aio.rollout.limiter import Limiter
+from miles_aio.types import GenerateOutput
+
+__all__ = ["LimitedEngine", "RolloutContext", "Tokenizer"]
+
+
+class Tokenizer(Protocol):
+    """The subset of a Hugging Face tokenizer that rollout code uses."""
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+@final
+class LimitedEngine:
+    """An InferenceEngine whose `generate` holds one limiter slot per call; admin calls pass through."""
+
+    def __init__(self, engine: InferenceEngine, limiter: Limiter) -> None:
+        self.inner = engine
+        self.limiter = limiter
+        self.generated_tokens = 0
+
+    async def generate(
+        self, *, input_ids: list[int], sampling_params: Mapping[str, Any], routing_key: Hashable | None = None
+    ) -> GenerateOutput:
+        async with self.limiter:
+            out = await self.inner.generate(
+                input_ids=input_ids, sampling_params=sampling_params, routing_key=routing_key
+            )
+        self.generated_tokens += len(out.output_ids)
+        return out
+
+    async def pause_generation(self, mode: PauseMode) -> None:
+        await self.inner.pause_generation(mode)
+
+    async def continue_generation(self) -> None:
+        await self.inner.continue_generation()
+
+    async def flush_cache(self) -> None:
+        await self.inner.flush_cache()
+
+    async def update_weight_version(self, version: int) -> None:
+        await self.inner.update_weight_version(version)
+
+    async def update_weights_from_disk(self, model_path: str, *, version: int) -> None:
+        await self.inner.update_weights_from_disk(model_path, version=version)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RolloutContext:
+    engine: InferenceEngine
+    tokenizer: Tokenizer | None
+    config: RunConfig
+    log: structlog.typing.FilteringBoundLogger
+    evaluation: bool = False

@@ -1,0 +1,1 @@
+"""Submission scheduler: pure admission policy (`policy`) and the async rollout worker (`worker`)."""

@@ -1,0 +1,123 @@
+"""`RolloutWorker`: the persistent producer loop — admit prompt groups, run them, put them in the buffer.
+
+_admission loop (one, `run()`):
+  consumes: prompt groups from the DataSource (recycled first)
+  produces: one group task per admitted group, in the worker's TaskGroup
+  waits for: `decide_admission()` to return None (in-flight bound, blocked put, pacing, pause)
+  unblocked by: a sample or group finishing, a put completing, the driver consuming or discarding a
+                group, a new policy version, resume()
+_group task (one per admitted group):
+  consumes: its prompt group; produces: one `BufferItem` into the DataBuffer
+  waits for: the rollout pool (engine calls), then `buffer.put()` (blocks while the buffer is full)
+
+The worker never returns on its own. It stops when its task is cancelled (shutdown) or when a group
+task raises (user code, engine failure under a loud policy): the TaskGroup cancels the other groups
+and the error propagates to the controller, which fails the next drain with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections import defaultdict
+from typing import NoReturn
+
+import structlog
+
+from miles_aio._notify import Notifier
+from miles_aio.buffer.base import DataBuffer
+from miles_aio.data.source import DataSource
+from miles_aio.ledger import Ledger
+from miles_aio.rollout.pool import RolloutPool
+from miles_aio.scheduler.policy import AdmissionLimits, SchedulerState, decide_admission
+from miles_aio.types import BufferItem, Group
+
+__all__ = ["RolloutWorker"]
+
+log = structlog.get_logger("miles_aio.worker")
+
+
+class RolloutWorker:
+    def __init__(
+        self,
+        *,
+        limits: AdmissionLimits,
+        source: DataSource,
+        pool: RolloutPool,
+        buffer: DataBuffer,
+        ledger: Ledger,
+        state: SchedulerState | None = None,
+    ) -> None:
+        self.limits = limits
+        self.state = state if state is not None else SchedulerState()
+        self._source = source
+        self._pool = pool
+        self._buffer = buffer
+        self._ledger = ledger
+        self._changed = Notifier()
+        self._pending: dict[int, Group] = {}  # admitted, not yet handed to the buffer: pristine copies
+        self.blocked_seconds: defaultdict[str, float] = defaultdict(float)  # time the admission loop spent blocked, by reason
+        self.finished_groups = 0
+        self.finished_notifier = Notifier()
+
+    # -- the loops ------------------------------------------------------------------------------------
+    async def run(self) -> NoReturn:
+        loop = asyncio.get_running_loop()
+        async with asyncio.TaskGroup() as tg:
+            while True:
+                while (reason := decide_admission(self.limits, self.state)) is not None:
+                    t0 = loop.time()
+                    await self._changed.wait()
+                    self.blocked_seconds[reason.value] += loop.time() - t0
+                prompt_group = self._source.next_group()
+                gid = prompt_group[0].group_index
+                self.state.on_admit(gid, len(prompt_group))
+                self._ledger.record("admitted", gid)
+                self._pending[gid] = copy.deepcopy(prompt_group)
+                tg.create_task(self._run_group(gid, prompt_group), name=f"rollout-group-{gid}")
+
+    async def _run_group(self, gid: int, prompt_group: Group) -> None:
+        try:
+            group = await self._pool.run_group(prompt_group, on_sample_done=lambda: self._sample_done(gid))
+        finally:
+            self.state.on_group_generated(gid)
+            self._changed.notify()
+        item = BufferItem(group=group, prompt_group=self._pending[gid])
+        self.state.on_put_blocked()
+        try:
+            await self._buffer.put(item)
+        finally:
+            self.state.on_put_unblocked()
+            self._changed.notify()
+        del self._pending[gid]
+        self.finished_groups += 1
+        self.finished_notifier.notify()
+
+    def _sample_done(self, gid: int) -> None:
+        self.state.on_sample_done(gid, self.limits.granularity)
+        self._changed.notify()
+
+    # -- what the driver and the buffer callbacks tell the worker ------------------------------------
+    def on_consumed(self, gid: int) -> None:
+        self.state.on_consumed(gid)
+        self._changed.notify()
+
+    def on_discarded(self, gid: int) -> None:
+        self.state.on_discarded(gid)
+        self._changed.notify()
+
+    def publish_version(self, version: int) -> None:
+        self.state.on_version(version)
+        self._changed.notify()
+
+    def pause(self) -> None:
+        """Stop admitting new groups (in-flight ones continue)."""
+        self.state.paused = True
+
+    def resume(self) -> None:
+        self.state.paused = False
+        self._changed.notify()
+
+    def pending_prompt_groups(self) -> list[Group]:
+        """Prompt groups admitted but not yet in the buffer (for checkpoints: re-submitted on resume)."""
+        return [copy.deepcopy(g) for g in self._pending.values()]

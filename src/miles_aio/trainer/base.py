@@ -1,0 +1,33 @@
+"""The controller's view of the trainer: three awaitables driven by the step loop.
+
+The real implementation is an actor over torch.distributed rank processes; scheduler tests use
+`miles_aio.testing.FakeTrainer`. The controller owns the engine side of a weight push (pause, flush,
+stamp the version, continue); `sync_weights` only moves the tensors into the (paused) engines.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from miles_aio.inference.base import InferenceEngine
+from miles_aio.types import Group
+
+__all__ = ["Trainer"]
+
+
+@runtime_checkable
+class Trainer(Protocol):
+    async def train(self, step: int, batch: list[Group]) -> dict[str, float]:
+        """One training step on `batch` (rollout_batch_size groups, sorted by sample index)."""
+        ...
+
+    async def sync_weights(self, engine: InferenceEngine, *, version: int) -> None:
+        """Copy the current weights into every engine (they are paused by the caller)."""
+        ...
+
+    async def save(self, step: int, directory: Path) -> None:
+        """Write model/optimizer state for `step` under `directory`."""
+        ...
+
+    async def aclose(self) -> None: ...

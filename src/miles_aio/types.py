@@ -1,0 +1,213 @@
+"""Data types shared by every component: `Sample`, its `Status`, groups and engine outputs.
+
+A *prompt group* is the `n_samples_per_prompt` samples of one prompt; the scheduler admits, and the
+buffer stores, whole groups. Every response token carries the policy version that produced it
+(`Sample.weight_versions`), so staleness is exact even when a weight push lands mid-request.
+
+Versions are integers that only go up. The first weight push makes version 1; before it, versions are
+unknown (None), and so is staleness: unknown is not the same as fresh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = [
+    "BufferItem",
+    "FinishReason",
+    "GenerateOutput",
+    "Group",
+    "Sample",
+    "Status",
+    "group_oldest_version",
+    "group_staleness",
+]
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class Status(enum.StrEnum):
+    """Lifecycle of one sample. Only PENDING samples (or ABORTED ones being continued) are generated."""
+
+    PENDING = "pending"
+    COMPLETED = "completed"  # the engine stopped on EOS or a stop token
+    TRUNCATED = "truncated"  # hit max_new_tokens / the context limit
+    ABORTED = "aborted"  # the engine aborted the request (pause in abort mode, shutdown, engine death)
+    FAILED = "failed"  # user code raised, or the engine answered with something unusable
+
+
+_FINISH_TO_STATUS: dict[str, Status] = {
+    "stop": Status.COMPLETED,
+    "length": Status.TRUNCATED,
+    "abort": Status.ABORTED,
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GenerateOutput:
+    """What one `/generate` call produced, already validated and decoded by the engine client.
+
+    Lists are per output token and all have the same length.
+    """
+
+    text: str
+    output_ids: list[int]
+    output_log_probs: list[float]
+    weight_versions: list[int | None]
+    """The policy version that produced each token (from `meta_info.weight_versions` spans, or the
+    single `meta_info.weight_version` when weights did not change during the request)."""
+    finish_reason: FinishReason
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.output_ids)
+        if len(self.output_log_probs) != n or len(self.weight_versions) != n:
+            raise ValueError(
+                f"GenerateOutput lists disagree: {n} output_ids, {len(self.output_log_probs)} log probs, "
+                f"{len(self.weight_versions)} weight versions"
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class Sample:
+    """One trajectory: a prompt and the response generated for it.
+
+    Response-aligned lists (`loss_mask`, `rollout_log_probs`, `weight_versions`) have exactly
+    `response_length` entries. Tokens that the policy did not generate (tool output, chat glue) have
+    `loss_mask` 0, log prob 0.0 and version None.
+    """
+
+    group_index: int
+    """Stable id of the prompt group: the same across recycling and resume (see `DataSource`)."""
+    index: int
+    """Position of this sample in the run's sample stream: group_index * n_samples_per_prompt + k."""
+    prompt: str | list[dict[str, Any]]
+    label: Any = None
+    tokens: list[int] = field(default_factory=list)
+    """Prompt ids followed by response ids."""
+    response: str = ""
+    response_length: int = 0
+    reward: float | dict[str, Any] | None = None
+    loss_mask: list[int] = field(default_factory=list)
+    rollout_log_probs: list[float] = field(default_factory=list)
+    weight_versions: list[int | None] = field(default_factory=list)
+    status: Status = Status.PENDING
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.tokens) - self.response_length
+
+    @property
+    def oldest_weight_version(self) -> int | None:
+        """The oldest policy version among the generated tokens, or None if none is known."""
+        known = [v for v in self.weight_versions if v is not None]
+        return min(known) if known else None
+
+    def append(self, out: GenerateOutput) -> None:
+        """Append one engine call's tokens (trainable: loss_mask 1) and take its finish status."""
+        n = len(out.output_ids)
+        self.tokens.extend(out.output_ids)
+        self.response += out.text
+        self.response_length += n
+        self.loss_mask.extend([1] * n)
+        self.rollout_log_probs.extend(out.output_log_probs)
+        self.weight_versions.extend(out.weight_versions)
+        self.status = _FINISH_TO_STATUS[out.finish_reason]
+
+    def append_context(self, token_ids: Sequence[int], text: str = "") -> None:
+        """Append tokens the policy did not generate (e.g. tool output): they are not trained on."""
+        n = len(token_ids)
+        self.tokens.extend(token_ids)
+        self.response += text
+        self.response_length += n
+        self.loss_mask.extend([0] * n)
+        self.rollout_log_probs.extend([0.0] * n)
+        self.weight_versions.extend([None] * n)
+
+    def reset_for_retry(self) -> None:
+        """Forget everything generated, keep identity/prompt/label/metadata: ready to be re-admitted."""
+        self.tokens = self.tokens[: self.prompt_length]
+        self.response = ""
+        self.response_length = 0
+        self.reward = None
+        self.loss_mask = []
+        self.rollout_log_probs = []
+        self.weight_versions = []
+        self.status = Status.PENDING
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable copy (checkpoints, logs)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Sample:
+        fields = dict(d)
+        fields["status"] = Status(fields.get("status", Status.PENDING))
+        return cls(**fields)
+
+    def validate(self) -> None:
+        """Raise ValueError if the response-aligned lists disagree with `response_length`."""
+        n = self.response_length
+        lengths = {
+            "loss_mask": len(self.loss_mask),
+            "rollout_log_probs": len(self.rollout_log_probs),
+            "weight_versions": len(self.weight_versions),
+        }
+        bad = {k: v for k, v in lengths.items() if v != n}
+        if bad or n > len(self.tokens):
+            raise ValueError(
+                f"sample {self.index} (group {self.group_index}): response_length={n}, "
+                f"tokens={len(self.tokens)}, mismatched={bad}"
+            )
+
+
+Group = list[Sample]
+"""The finished samples of one prompt group (a generate function may return several per prompt)."""
+
+
+@dataclass(slots=True)
+class BufferItem:
+    """What the rollout worker hands the buffer for each finished prompt group."""
+
+    group: Group
+    """The finished samples, as generated."""
+    prompt_group: Group
+    """Pristine copies of the prompt group as admitted, for recycling (`retry`)."""
+
+    @property
+    def group_index(self) -> int:
+        return self.prompt_group[0].group_index
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "group": [s.to_dict() for s in self.group],
+            "prompt_group": [s.to_dict() for s in self.prompt_group],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> BufferItem:
+        return cls(
+            group=[Sample.from_dict(s) for s in d["group"]],
+            prompt_group=[Sample.from_dict(s) for s in d["prompt_group"]],
+        )
+
+
+def group_oldest_version(group: Sequence[Sample]) -> int | None:
+    """Oldest policy version among all tokens of a group; None when no token has a known version."""
+    known = [v for s in group if (v := s.oldest_weight_version) is not None]
+    return min(known) if known else None
+
+
+def group_staleness(group: Sequence[Sample], current_version: int | None) -> int | None:
+    """current version − the group's oldest token version; None (unknown) if either is unknown."""
+    oldest = group_oldest_version(group)
+    if current_version is None or oldest is None:
+        return None
+    return current_version - oldest

@@ -1,0 +1,155 @@
+"""DefaultDataBuffer on virtual time: capacity, filters, handler routing, metrics window, close."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from miles_aio.buffer import BufferItem, DataBufferContext, DefaultDataBuffer, FilterDecision
+from miles_aio.errors import BufferClosed
+from miles_aio.types import GenerateOutput, Group, Sample
+from tests.helpers import make_config
+
+pytestmark = pytest.mark.timeout(20)
+
+
+def item(gid: int, versions: list[int | None], finish: str = "stop") -> BufferItem:
+    group: Group = []
+    for k, v in enumerate(versions):
+        s = Sample(group_index=gid, index=gid * 10 + k, prompt="p")
+        s.append(
+            GenerateOutput(
+                text="a", output_ids=[1], output_log_probs=[0.0], weight_versions=[v], finish_reason=finish
+            )
+        )  # type: ignore[arg-type]
+        group.append(s)
+    return BufferItem(group=group, prompt_group=[Sample(group_index=gid, index=gid * 10, prompt="p")])
+
+
+def make_buffer(
+    fates: list[tuple[str, int, str]], *, dynamic: Callable[[Group], FilterDecision] | None = None, **cfg: Any
+) -> DefaultDataBuffer:
+    return DefaultDataBuffer(
+        DataBufferContext(
+            config=make_config(**cfg),
+            on_unused=lambda it, why: fates.append(("unused", it.group_index, why)),
+            on_filtered=lambda it, why: fates.append(("filtered", it.group_index, why)),
+            dynamic_filter=dynamic,
+        )
+    )
+
+
+def test_capacity_is_factor_times_batch_and_a_full_buffer_blocks_the_producer(vrun: Any) -> None:
+    fates: list[tuple[str, int, str]] = []
+    buf = make_buffer(fates, rollout_batch_size=2, async_data_buffer_capacity_factor=1.5)
+    assert buf.capacity == 3
+
+    async def main() -> None:
+        for g in range(3):
+            await buf.put(item(g, [1]))
+        blocked = asyncio.create_task(buf.put(item(3, [1])))
+        await asyncio.sleep(5)
+        assert not blocked.done() and len(buf) == 3  # the fourth put waits: no eviction
+        got = await buf.get(current_version=1)
+        assert got.group_index == 0  # FIFO
+        await asyncio.wait_for(blocked, timeout=1)
+        assert len(buf) == 3
+
+    vrun(main())
+
+
+def test_aborted_groups_go_to_the_unused_handler_and_dynamic_rejects_are_filtered(vrun: Any) -> None:
+    fates: list[tuple[str, int, str]] = []
+    buf = make_buffer(fates, dynamic=lambda g: FilterDecision(g[0].group_index != 2, "zero_std"))
+
+    async def main() -> None:
+        await buf.put(item(1, [1, 1], finish="abort"))
+        await buf.put(item(2, [1, 1]))
+        await buf.put(item(3, [1, 1]))
+        assert len(buf) == 1
+        m = buf.get_metrics()
+        assert m["rollout/fully_async/aborted_groups_filtered"] == 1
+        assert m["rollout/dynamic_filter/drop_zero_std"] == 1
+        assert m["rollout/fully_async/queue_size"] == 1
+
+    vrun(main())
+    assert fates == [("unused", 1, "aborted"), ("filtered", 2, "zero_std")]
+
+
+def test_get_filters_stale_groups_but_never_unknown_staleness(vrun: Any) -> None:
+    fates: list[tuple[str, int, str]] = []
+    buf = make_buffer(fates, max_weight_staleness=1)
+
+    async def main() -> list[int]:
+        await buf.put(item(1, [1, 3]))  # oldest 1 → staleness 3 at version 4: stale
+        await buf.put(item(2, [None]))  # unknown: never filtered
+        await buf.put(item(3, [3, 4]))  # staleness 1: kept
+        got = [(await buf.get(current_version=4)).group_index for _ in range(2)]
+        m = buf.get_metrics()
+        assert m["rollout/fully_async/stale_groups_filtered"] == 1
+        assert m["rollout/fully_async/avg_staleness"] == 1.0  # only known staleness counts
+        assert m["rollout/fully_async/max_staleness"] == 1.0
+        return got
+
+    assert vrun(main()) == [2, 3]
+    assert fates == [("unused", 1, "stale")]
+
+
+def test_metrics_window_resets_on_each_call_and_reports_buffered_staleness(vrun: Any) -> None:
+    fates: list[tuple[str, int, str]] = []
+    buf = make_buffer(fates)
+
+    async def main() -> None:
+        await buf.put(item(1, [2]))
+        await buf.put(item(2, [1], finish="abort"))
+        await buf.put(item(3, [1]))
+        await buf.get(current_version=3)
+        first = buf.get_metrics()
+        assert first["rollout/fully_async/aborted_groups_filtered"] == 1
+        assert first["rollout/fully_async/avg_staleness"] == 1.0
+        assert first["rollout/fully_async/buffer_avg_staleness"] == 2.0  # group 3, at version 3
+        assert first["rollout/fully_async/buffer_max_staleness"] == 2.0
+        second = buf.get_metrics()
+        assert second["rollout/fully_async/aborted_groups_filtered"] == 0
+        assert second["rollout/fully_async/avg_staleness"] == 0.0
+        assert second["rollout/fully_async/queue_size"] == 1
+
+    vrun(main())
+
+
+def test_close_wakes_every_waiter_and_keeps_state(vrun: Any) -> None:
+    buf = make_buffer([], rollout_batch_size=1, async_data_buffer_capacity_factor=1.0)
+
+    async def main() -> None:
+        getter_buf = make_buffer([])
+        getter = asyncio.create_task(getter_buf.get(current_version=1))
+        await buf.put(item(1, [1]))
+        putter = asyncio.create_task(buf.put(item(2, [1])))
+        await asyncio.sleep(1)
+        buf.close()
+        getter_buf.close()
+        with pytest.raises(BufferClosed):
+            await putter
+        with pytest.raises(BufferClosed):
+            await getter
+        with pytest.raises(BufferClosed):
+            await buf.get(current_version=1)
+        assert [d["group"][0]["group_index"] for d in buf.state_dict()["items"]] == [1]
+
+    vrun(main())
+
+
+def test_state_dict_round_trip(vrun: Any) -> None:
+    buf = make_buffer([])
+
+    async def main() -> None:
+        await buf.put(item(1, [1]))
+        await buf.put(item(2, [2]))
+        again = make_buffer([])
+        again.load_state_dict(buf.state_dict())
+        assert [(await again.get(current_version=2)).group_index for _ in range(2)] == [1, 2]
+
+    vrun(main())

@@ -1,0 +1,208 @@
+"""The whole controller over the fake engine and fake trainer, on virtual time."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+
+from miles_aio.buffer import BufferItem, DefaultDataBuffer
+from miles_aio.controller import Controller, RunSummary
+from miles_aio.errors import RolloutWorkerDied
+from miles_aio.ledger import check_conservation, read_ledger
+from miles_aio.plugins import resolve_plugins
+from miles_aio.testing import FakeLatencyEngine, FakeTokenizer, FakeTrainer, LogNormalLatency
+from tests.helpers import make_config, make_source
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def run(
+    vrun: Any,
+    tmp_path: Path,
+    *,
+    latency: LogNormalLatency | None = None,
+    step_time_s: float = 1.0,
+    tokens_per_s: float = 20.0,
+    **cfg: Any,
+) -> tuple[Controller, RunSummary, FakeLatencyEngine, FakeTrainer]:
+    config = make_config(tmp_path / "run", **cfg)
+    n = config.rollout.n_samples_per_prompt
+    engine = FakeLatencyEngine(latency or LogNormalLatency(1.0, 10.0), tokens_per_s=tokens_per_s, seed=3)
+    trainer = FakeTrainer(step_time_s=step_time_s)
+    controller = Controller(
+        config,
+        engine=engine,
+        trainer=trainer,
+        source=make_source(n=n),
+        plugins=resolve_plugins(config),
+        tokenizer=FakeTokenizer(),
+    )
+    summary = vrun(controller.run())
+    return controller, summary, engine, trainer
+
+
+def metrics_lines(tmp_path: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_run_completes_num_rollout_steps_of_exactly_batch_size_groups(vrun: Any, tmp_path: Path) -> None:
+    _, summary, engine, trainer = run(
+        vrun, tmp_path, num_rollout=6, rollout_batch_size=3, n_samples_per_prompt=4
+    )
+    assert summary.steps == 6
+    assert [step for step, _ in trainer.steps] == list(range(6))
+    for _, batch in trainer.steps:
+        assert len(batch) == 3 and all(len(g) == 4 for g in batch)
+        indices = [g[0].index for g in batch]
+        assert indices == sorted(indices)  # sorted by sample index
+    trained = [g[0].group_index for _, b in trainer.steps for g in b]
+    assert len(trained) == len(set(trained))  # no group trained twice
+    # initial push (version 1) and one per step, in order, each pause → flush → stamp → continue
+    assert trainer.synced_versions == list(range(1, 8))
+    assert engine.calls[:4] == ["pause:retract", "flush", "version:1", "continue"]
+    assert summary.version == 7
+    events = read_ledger(tmp_path / "run" / "ledger.jsonl")
+    counts = check_conservation(events)
+    assert counts["trained"] == 18
+    assert counts["admitted"] == counts["trained"] + counts.get("pending_at_exit", 0)
+    assert sorted(e["step"] for e in events if e["fate"] == "trained") == sorted([s for s in range(6)] * 3)
+    lines = metrics_lines(tmp_path)
+    assert [m["step"] for m in lines] == list(range(6))
+    for key in (
+        "queue_size",
+        "aborted_groups_filtered",
+        "stale_groups_filtered",
+        "avg_staleness",
+        "max_staleness",
+        "buffer_avg_staleness",
+        "buffer_max_staleness",
+    ):
+        assert all(f"rollout/fully_async/{key}" in m for m in lines)
+
+
+def test_weights_pushed_every_interval_steps(vrun: Any, tmp_path: Path) -> None:
+    _, summary, _, trainer = run(vrun, tmp_path, num_rollout=6, update_weights_interval=3)
+    assert trainer.synced_versions == [1, 2, 3]
+    assert summary.version == 3
+
+
+@pytest.mark.parametrize("granularity", ["sample", "group"])
+def test_in_flight_samples_never_exceed_the_bound(vrun: Any, tmp_path: Path, granularity: str) -> None:
+    _, summary, engine, _ = run(
+        vrun,
+        tmp_path,
+        num_rollout=5,
+        rollout_batch_size=4,
+        n_samples_per_prompt=4,
+        async_max_concurrent_samples=6,
+        rollout_submission_granularity=granularity,
+    )
+    assert summary.steps == 5
+    assert 4 <= engine.max_in_flight <= 6
+
+
+def test_admission_pacing_bounds_consumed_staleness_on_a_long_tail(vrun: Any, tmp_path: Path) -> None:
+    _, summary, _, _ = run(
+        vrun,
+        tmp_path,
+        num_rollout=12,
+        rollout_batch_size=2,
+        n_samples_per_prompt=2,
+        async_max_concurrent_samples=32,
+        max_admission_staleness=1,
+        step_time_s=0.5,
+        latency=LogNormalLatency(1.0, 30.0),
+    )
+    assert summary.steps == 12
+    lines = metrics_lines(tmp_path)
+    assert max(m["rollout/fully_async/max_staleness"] for m in lines) <= 1
+    assert max(m["rollout/fully_async/max_staleness"] for m in lines) == 1  # really off-policy
+
+
+def test_without_pacing_the_same_run_gets_staler(vrun: Any, tmp_path: Path) -> None:
+    _, _, _, _ = run(
+        vrun,
+        tmp_path,
+        num_rollout=12,
+        rollout_batch_size=2,
+        n_samples_per_prompt=2,
+        async_max_concurrent_samples=32,
+        step_time_s=0.5,
+        async_data_buffer_capacity_factor=8,
+        latency=LogNormalLatency(1.0, 30.0),
+    )
+    assert max(m["rollout/fully_async/max_staleness"] for m in metrics_lines(tmp_path)) > 1
+
+
+def test_stale_groups_are_recycled_under_the_same_id_with_retry(vrun: Any, tmp_path: Path) -> None:
+    _, summary, _, _ = run(
+        vrun,
+        tmp_path,
+        num_rollout=8,
+        max_weight_staleness=0,
+        async_unused_samples_handler="retry",
+        async_max_concurrent_samples=16,
+        latency=LogNormalLatency(1.0, 20.0),
+        step_time_s=0.5,
+    )
+    events = read_ledger(tmp_path / "run" / "ledger.jsonl")
+    counts = check_conservation(events)
+    assert counts.get("recycled", 0) > 0
+    recycled = {e["group_id"] for e in events if e["fate"] == "recycled"}
+    readmitted = [e["group_id"] for e in events if e["fate"] == "admitted" and e["group_id"] in recycled]
+    assert len(readmitted) > len(recycled)  # admitted again under the same id
+    assert summary.steps == 8
+    lines = metrics_lines(tmp_path)
+    assert sum(m["rollout/fully_async/stale_groups_filtered"] for m in lines) == counts["recycled"]
+    assert max(m["rollout/fully_async/max_staleness"] for m in lines) == 0
+
+
+def test_dynamic_filter_drops_and_counts_by_reason(vrun: Any, tmp_path: Path) -> None:
+    _, _, _, trainer = run(
+        vrun, tmp_path, num_rollout=4, dynamic_sampling_filter_path="tests.helpers:keep_even_groups"
+    )
+    assert all(g[0].group_index % 2 == 0 for _, b in trainer.steps for g in b)
+    counts = check_conservation(read_ledger(tmp_path / "run" / "ledger.jsonl"))
+    drops = sum(m.get("rollout/dynamic_filter/drop_odd_group", 0) for m in metrics_lines(tmp_path))
+    assert counts["filtered"] >= drops > 0  # filtered after the last metrics window are not in metrics
+
+
+def test_a_worker_exception_surfaces_at_the_drain(vrun: Any, tmp_path: Path) -> None:
+    with pytest.raises(RolloutWorkerDied) as e:
+        run(vrun, tmp_path, custom_rm_path="tests.helpers:raising_reward")
+    cause = e.value.__cause__
+    assert isinstance(cause, RuntimeError) and "reward exploded" in str(cause)
+    check_conservation(read_ledger(tmp_path / "run" / "ledger.jsonl"))  # nothing admitted goes unaccounted
+
+
+def test_a_starved_drain_logs_a_warning(vrun: Any, tmp_path: Path) -> None:
+    with structlog.testing.capture_logs() as logs:
+        run(
+            vrun,
+            tmp_path,
+            num_rollout=1,
+            latency=LogNormalLatency(100.0, 101.0),
+            tokens_per_s=0.5,
+            stall_warning_s=30.0,
+        )
+    assert any(e["event"].startswith("No completed rollout groups for 30.0s") for e in logs)
+
+
+class CountingBuffer(DefaultDataBuffer):
+    puts = 0
+
+    async def put(self, item: BufferItem) -> None:
+        CountingBuffer.puts += 1
+        await super().put(item)
+
+
+def test_custom_buffer_replaces_the_default(vrun: Any, tmp_path: Path) -> None:
+    controller, summary, _, _ = run(
+        vrun, tmp_path, custom_async_data_buffer_path="tests.async_.test_controller:CountingBuffer"
+    )
+    assert isinstance(controller.buffer, CountingBuffer)
+    assert CountingBuffer.puts >= summary.steps * 2
