@@ -56,7 +56,8 @@ class RolloutWorker:
         self._ledger = ledger
         self._changed = Notifier()
         self._pending: dict[int, Group] = {}  # admitted, not yet handed to the buffer: pristine copies
-        self.blocked_seconds: defaultdict[str, float] = defaultdict(float)  # time the admission loop spent blocked, by reason
+        # time the admission loop spent blocked, by reason (capacity, buffer_full, pacing, paused)
+        self.blocked_seconds: defaultdict[str, float] = defaultdict(float)
         self.finished_groups = 0
         self.finished_notifier = Notifier()
 
