@@ -39,6 +39,7 @@ from miles_aio.errors import BufferClosed, RolloutWorkerDied
 from miles_aio.inference.base import InferenceEngine
 from miles_aio.ledger import Ledger
 from miles_aio.metrics import JsonlSink, MetricsSink, rollout_batch_metrics
+from miles_aio.observability.accounting import StepAccounting, StepTimes
 from miles_aio.plugins import Plugins
 from miles_aio.rollout.context import LimitedEngine, RolloutContext, Tokenizer
 from miles_aio.rollout.limiter import Limiter
@@ -130,6 +131,9 @@ class Controller:
             buffer=self.buffer,
             ledger=self.ledger,
         )
+        self.accounting = StepAccounting(
+            blocked_seconds=self.worker.blocked_seconds, generated_tokens=lambda: self.engine.generated_tokens
+        )
 
     # -- the run ---------------------------------------------------------------------------------------
     async def run(self) -> RunSummary:
@@ -158,48 +162,53 @@ class Controller:
     async def _step_loop(self, tg: asyncio.TaskGroup, summary: RunSummary) -> None:
         cfg, loop = self.cfg.driver, asyncio.get_running_loop()
         n = cfg.num_rollout
-        next_drain: asyncio.Task[list[BufferItem]] | None = None
-        if n > 0:
-            next_drain = tg.create_task(self._drain(0), name="drain-0")
+        next_drain = tg.create_task(self._drain(0), name="drain-0") if n > 0 else None
         for step in range(n):
             t_step = loop.time()
             assert next_drain is not None
             batch = await next_drain
-            t_data = loop.time()
+            wait_data = loop.time() - t_step
             next_drain = (
                 tg.create_task(self._drain(step + 1), name=f"drain-{step + 1}") if step + 1 < n else None
             )
             groups = [it.group for it in batch]
             metrics = rollout_batch_metrics(groups, version=self.version)
+            t_train = loop.time()
             metrics.update(await self.trainer.train(step, groups))
             for item in batch:
                 self.ledger.record("trained", item.group_index, step=step)
-            t_train = loop.time()
+            train_s = loop.time() - t_train
+            sync_s = 0.0
             if (step + 1) % cfg.update_weights_interval == 0:
                 if next_drain is not None:
+                    t_wait = loop.time()
                     await next_drain  # a batch is drained under one version: finish it before the push
+                    wait_data += loop.time() - t_wait
+                t_sync = loop.time()
                 await self._push_weights((self.version or 0) + 1)
-            t_sync = loop.time()
+                sync_s = loop.time() - t_sync
             if cfg.save_interval and cfg.save and ((step + 1) % cfg.save_interval == 0 or step + 1 == n):
                 await self.save(step)
+            t_eval = loop.time()
             if self._evaluate is not None and cfg.eval_interval and (step + 1) % cfg.eval_interval == 0:
                 metrics.update(await self._evaluate(step))
-            metrics.update(self.buffer.get_metrics())
-            step_s = loop.time() - t_step
-            metrics.update(
-                {
-                    "perf/step_time_s": step_s,
-                    "perf/wait_data_s": t_data - t_step,
-                    "perf/train_s": t_train - t_data,
-                    "perf/weight_sync_s": t_sync - t_train,
-                    "rollout/policy_version": float(self.version or 0),
-                    "rollout/in_flight_groups": float(self.worker.state.in_flight_groups),
-                }
+            times = StepTimes(
+                step_s=loop.time() - t_step,
+                wait_data_s=wait_data,
+                train_s=train_s,
+                weight_sync_s=sync_s,
+                eval_s=loop.time() - t_eval,
             )
+            metrics.update(self.buffer.get_metrics())
+            metrics.update(
+                self.accounting.step_metrics(times, now=loop.time(), trained_tokens=_tokens(groups))
+            )
+            metrics["rollout/policy_version"] = float(self.version or 0)
+            metrics["rollout/in_flight_groups"] = float(self.worker.state.in_flight_groups)
             for sink in self.sinks:
                 sink.log(step, metrics)
             summary.steps = step + 1
-            summary.step_times_s.append(step_s)
+            summary.step_times_s.append(times.step_s)
             summary.last_metrics = metrics
             log.info("step", step=step, version=self.version, **_brief(metrics))
 
@@ -277,6 +286,7 @@ class Controller:
     def _on_unused(self, item: BufferItem, reason: str) -> None:
         gid = item.group_index
         self.worker.on_discarded(gid)
+        self.accounting.add_wasted(reason, item.group)
         if self.cfg.buffer.async_unused_samples_handler == "retry":
             self.ledger.record("recycled", gid, reason=reason)
             self.source.recycle(item.prompt_group)
@@ -285,6 +295,7 @@ class Controller:
 
     def _on_filtered(self, item: BufferItem, reason: str) -> None:
         self.worker.on_discarded(item.group_index)
+        self.accounting.add_wasted("filtered", item.group)
         self.ledger.record("filtered", item.group_index, reason=reason)
 
     def _wrap_filter(self, fn: Any | None) -> Callable[[Group], FilterDecision] | None:
@@ -308,6 +319,10 @@ def _primary(exc: BaseException) -> BaseException:
         inner = [e for e in exc.exceptions if not isinstance(e, asyncio.CancelledError)]
         exc = (inner or list(exc.exceptions))[0]
     return exc
+
+
+def _tokens(groups: list[Group]) -> int:
+    return sum(s.response_length for g in groups for s in g)
 
 
 def _brief(metrics: dict[str, float]) -> dict[str, float]:

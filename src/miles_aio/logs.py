@@ -15,6 +15,19 @@ import structlog
 __all__ = ["configure_logging"]
 
 
+class _StderrLogger:
+    """Writes to whatever sys.stderr is *now*, so a progress bar that redirects stderr stays intact."""
+
+    def __init__(self, *args: object) -> None:
+        pass
+
+    def msg(self, message: str) -> None:
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+
+    log = debug = info = warn = warning = error = critical = exception = fatal = msg
+
+
 def configure_logging(fmt: Literal["console", "json"] = "console", level: str = "INFO") -> None:
     renderer: structlog.typing.Processor
     if fmt == "json":
@@ -32,6 +45,6 @@ def configure_logging(fmt: Literal["console", "json"] = "console", level: str = 
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=_StderrLogger,
         cache_logger_on_first_use=False,
     )

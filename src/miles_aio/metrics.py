@@ -8,9 +8,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, Protocol
 
-from miles_aio.types import Group, Status, group_staleness
+from miles_aio.types import Group, Sample, Status, group_staleness
 
-__all__ = ["JsonlSink", "MetricsSink", "rollout_batch_metrics"]
+__all__ = ["JsonlSink", "MetricsSink", "rollout_batch_metrics", "token_staleness_histogram"]
 
 
 class MetricsSink(Protocol):
@@ -45,6 +45,22 @@ def _reward_value(r: object) -> float | None:
     return None
 
 
+STALENESS_BUCKETS = ("0", "1", "2", "3", "4+")
+
+
+def token_staleness_histogram(samples: Iterable[Sample], *, version: int | None) -> dict[str, float]:
+    """Fraction of trained tokens (loss_mask 1, known version) by staleness against `version`."""
+    counts = dict.fromkeys(STALENESS_BUCKETS, 0)
+    total = 0
+    if version is not None:
+        for s in samples:
+            for m, v in zip(s.loss_mask, s.weight_versions, strict=True):
+                if m and v is not None:
+                    counts[STALENESS_BUCKETS[min(version - v, 4)]] += 1
+                    total += 1
+    return {f"rollout/token_staleness/{k}": c / total if total else 0.0 for k, c in counts.items()}
+
+
 def rollout_batch_metrics(batch: Iterable[Group], *, version: int | None) -> dict[str, float]:
     """rollout/* metrics of one training batch: reward, lengths, statuses.
 
@@ -57,7 +73,8 @@ def rollout_batch_metrics(batch: Iterable[Group], *, version: int | None) -> dic
     lengths = [s.response_length for s in samples]
     stale = [st for g in groups if (st := group_staleness(g, version)) is not None]
     n = max(1, len(samples))
-    return {
+    hist = token_staleness_histogram(samples, version=version)
+    return hist | {
         "rollout/reward": sum(rewards) / len(rewards) if rewards else 0.0,
         "rollout/response_len": sum(lengths) / n,
         "rollout/truncated_ratio": sum(s.status == Status.TRUNCATED for s in samples) / n,

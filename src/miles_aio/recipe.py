@@ -27,6 +27,8 @@ from miles_aio.data.source import DataSource, PromptRecord, read_prompt_jsonl
 from miles_aio.errors import ConfigError
 from miles_aio.inference.base import InferenceEngine
 from miles_aio.logs import configure_logging
+from miles_aio.observability.progress import ProgressSink
+from miles_aio.plot import plot_run
 from miles_aio.plugins import Plugins, resolve_plugins
 from miles_aio.rollout.context import Tokenizer
 from miles_aio.trainer.base import Trainer
@@ -151,8 +153,10 @@ async def _run(
             plugins=plugins,
             tokenizer=parts.tokenizer,
             num_engines=parts.num_engines,
+            sinks=[ProgressSink(cfg.driver.num_rollout)],
         )
         summary = await controller.run()
+    pngs = plot_run(cfg.run_dir)
     log.info(
         "run finished",
         steps=summary.steps,
@@ -160,5 +164,6 @@ async def _run(
         wall_s=round(summary.wall_s, 2),
         run_dir=str(cfg.run_dir),
         ledger=summary.ledger_counts,
+        plots=[p.name for p in pngs],
     )
     return summary

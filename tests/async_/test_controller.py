@@ -206,3 +206,46 @@ def test_custom_buffer_replaces_the_default(vrun: Any, tmp_path: Path) -> None:
     )
     assert isinstance(controller.buffer, CountingBuffer)
     assert CountingBuffer.puts >= summary.steps * 2
+
+
+def test_bubble_accounting_with_a_trainer_three_times_slower_than_rollout(vrun: Any, tmp_path: Path) -> None:
+    # one batch of rollout takes 1 s (fixed latency, in-flight bound = one batch); a train step 3 s
+    run(
+        vrun,
+        tmp_path,
+        num_rollout=20,
+        rollout_batch_size=2,
+        n_samples_per_prompt=2,
+        step_time_s=3.0,
+        latency=LogNormalLatency(1.0, 1.0),
+        tokens_per_s=10,
+        async_data_buffer_capacity_factor=1,
+    )
+    steady = metrics_lines(tmp_path)[5:]
+    idle = sum(m["perf/trainer_idle_ratio"] for m in steady) / len(steady)
+    blocked = sum(m["perf/rollout_blocked_ratio"] for m in steady) / len(steady)
+    assert idle == pytest.approx(0.0, abs=0.02)
+    assert blocked == pytest.approx(2 / 3, abs=0.05)
+    assert all(m["perf/rollout_blocked_ratio/buffer_full"] == m["perf/rollout_blocked_ratio"] for m in steady)
+
+
+def test_bubble_accounting_with_rollout_three_times_slower_than_the_trainer(
+    vrun: Any, tmp_path: Path
+) -> None:
+    run(
+        vrun,
+        tmp_path,
+        num_rollout=20,
+        rollout_batch_size=2,
+        n_samples_per_prompt=2,
+        step_time_s=1.0,
+        latency=LogNormalLatency(3.0, 3.0),
+        tokens_per_s=10,
+    )
+    steady = metrics_lines(tmp_path)[5:]
+    idle = sum(m["perf/trainer_idle_ratio"] for m in steady) / len(steady)
+    blocked = sum(m["perf/rollout_blocked_ratio"] for m in steady) / len(steady)
+    assert idle == pytest.approx(2 / 3, abs=0.05)
+    assert blocked == pytest.approx(0.0, abs=0.02)
+    tokens = [m["perf/generated_tokens_per_s"] for m in steady]
+    assert sum(tokens) / len(tokens) == pytest.approx(4 * 30 / 3.0, rel=0.1)  # 4 samples × 30 tokens per 3 s

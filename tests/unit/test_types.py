@@ -77,3 +77,23 @@ def test_buffer_item_round_trips_through_dict() -> None:
     assert again.group[0] == s
     assert again.group[0].status is Status.COMPLETED
     assert again.group_index == 1
+
+
+def test_token_staleness_histogram_is_token_weighted_over_trained_tokens() -> None:
+    from miles_aio.metrics import token_staleness_histogram
+
+    s = Sample(group_index=0, index=0, prompt="p")
+    s.append(out(3, 5))  # staleness 0 at version 5
+    s.append_context([1, 2])  # not trained: ignored
+    s.append(out(1, 4))  # staleness 1
+    t = Sample(group_index=0, index=1, prompt="p")
+    t.append(out(4, 0))  # staleness 5 → "4+"
+    h = token_staleness_histogram([s, t], version=5)
+    assert h == {
+        "rollout/token_staleness/0": 3 / 8,
+        "rollout/token_staleness/1": 1 / 8,
+        "rollout/token_staleness/2": 0.0,
+        "rollout/token_staleness/3": 0.0,
+        "rollout/token_staleness/4+": 4 / 8,
+    }
+    assert sum(token_staleness_histogram([s], version=None).values()) == 0.0

@@ -212,13 +212,15 @@ def pacing_allows(limits: AdmissionLimits, state: SchedulerState) -> bool:
 
 
 def decide_admission(limits: AdmissionLimits, state: SchedulerState) -> Blocked | None:
-    """None if the next group may be admitted now, else the first reason it may not."""
+    """None if the next group may be admitted now, else the first reason it may not (capacity first)."""
+    # Capacity first: when the in-flight bound binds, the engines are saturated and any other limit
+    # costs nothing yet; the reason returned is what bubble accounting charges the wait to.
+    if state.slots_held + limits.group_size > limits.max_in_flight_samples:
+        return Blocked.CAPACITY
     if state.paused:
         return Blocked.PAUSED
     if state.blocked_puts > 0:
         return Blocked.BUFFER_FULL
-    if state.slots_held + limits.group_size > limits.max_in_flight_samples:
-        return Blocked.CAPACITY
     if not pacing_allows(limits, state):
         return Blocked.PACING
     return None

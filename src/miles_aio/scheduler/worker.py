@@ -57,9 +57,9 @@ class RolloutWorker:
         self._changed = Notifier()
         self._pending: dict[int, Group] = {}  # admitted, not yet handed to the buffer: pristine copies
         # time the admission loop spent blocked, by reason (capacity, buffer_full, pacing, paused)
-        self.blocked_seconds: defaultdict[str, float] = defaultdict(float)
+        self._blocked_s: defaultdict[str, float] = defaultdict(float)
+        self._blocked_since: tuple[str, float] | None = None
         self.finished_groups = 0
-        self.finished_notifier = Notifier()
 
     # -- the loops ------------------------------------------------------------------------------------
     async def run(self) -> NoReturn:
@@ -67,9 +67,12 @@ class RolloutWorker:
         async with asyncio.TaskGroup() as tg:
             while True:
                 while (reason := decide_admission(self.limits, self.state)) is not None:
-                    t0 = loop.time()
-                    await self._changed.wait()
-                    self.blocked_seconds[reason.value] += loop.time() - t0
+                    self._blocked_since = (reason.value, loop.time())
+                    try:
+                        await self._changed.wait()
+                    finally:
+                        self._blocked_s[reason.value] += loop.time() - self._blocked_since[1]
+                        self._blocked_since = None
                 prompt_group = self._source.next_group()
                 gid = prompt_group[0].group_index
                 self.state.on_admit(gid, len(prompt_group))
@@ -92,7 +95,6 @@ class RolloutWorker:
             self._changed.notify()
         del self._pending[gid]
         self.finished_groups += 1
-        self.finished_notifier.notify()
 
     def _sample_done(self, gid: int) -> None:
         self.state.on_sample_done(gid, self.limits.granularity)
@@ -118,6 +120,14 @@ class RolloutWorker:
     def resume(self) -> None:
         self.state.paused = False
         self._changed.notify()
+
+    def blocked_seconds(self, now: float) -> dict[str, float]:
+        """Cumulative seconds the admission loop has been blocked, by reason, including a wait in progress."""
+        totals = dict(self._blocked_s)
+        if self._blocked_since is not None:
+            reason, since = self._blocked_since
+            totals[reason] = totals.get(reason, 0.0) + now - since
+        return totals
 
     def pending_prompt_groups(self) -> list[Group]:
         """Prompt groups admitted but not yet in the buffer (for checkpoints: re-submitted on resume)."""

@@ -1,0 +1,364 @@
+"""Request bodies of the SGLang native API, parsed and checked into typed values (no I/O, no torch).
+
+Field names, defaults and types follow SGLang 0.5.x: `/generate` as `sglang/api/v1/api_types.py`
+(`GenerateRequest`, `SamplingParams`: unknown sampling keys rejected, unknown top-level keys ignored),
+the control endpoints as the `*ReqInput` structs of `sglang/srt/managers/io_struct.py`.
+
+The embedded engine implements a subset. A request that asks for something it cannot produce (streaming,
+batch input, top-logprobs, stop regexes, penalties, ...) is rejected with a 400 that says so, rather than
+answered as if the option had been honoured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final, Literal, TypeVar
+
+from miles_aio.inference.local.sampling import TOP_K_ALL, SamplingParams
+
+__all__ = [
+    "DEFAULT_GROUP_NAME",
+    "AbortReq",
+    "BadRequest",
+    "GenerateReq",
+    "InitGroupReq",
+    "PauseMode",
+    "PauseReq",
+    "UpdateFromDiskReq",
+    "UpdateFromDistributedReq",
+    "UpdateVersionReq",
+    "parse_abort",
+    "parse_generate",
+    "parse_group_name",
+    "parse_init_group",
+    "parse_pause",
+    "parse_sampling_params",
+    "parse_slow_down",
+    "parse_update_from_disk",
+    "parse_update_from_distributed",
+    "parse_update_version",
+]
+
+PauseMode = Literal["abort", "retract", "in_place"]
+_PAUSE_MODES: Final = ("abort", "retract", "in_place")
+DEFAULT_GROUP_NAME: Final = "weight_update_group"
+T = TypeVar("T")
+
+# SamplingParams keys SGLang accepts; the second set is accepted only at its default (None/0/1/{}/[]).
+_SAMPLING_KEYS_IMPLEMENTED: Final = frozenset(
+    {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos",
+     "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval", "n",
+     "sampling_seed"}
+)  # fmt: skip
+_SAMPLING_DEFAULT_ONLY: Final[dict[str, object]] = {
+    "stop_regex": None, "min_new_tokens": 0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+    "repetition_penalty": 1.0, "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None,
+    "logit_bias": {}, "custom_params": None, "beam_width": None, "watermark": None, "choice": [],
+}  # fmt: skip
+# Top-level /generate fields that ask for output or behaviour this engine does not have.
+_GENERATE_DEFAULT_ONLY: Final[dict[str, object]] = {
+    "stream": False, "input_embeds": None, "top_logprobs_num": None, "token_ids_logprob": None,
+    "return_hidden_states": None, "return_routed_experts": None, "return_sampling_mask": None,
+    "image_data": None, "video_data": None, "audio_data": None, "lora_path": None,
+    "session_params": None, "custom_logit_processor": None,
+}  # fmt: skip
+
+
+class BadRequest(ValueError):
+    """A request the engine refuses (HTTP 400). `contract`: it breaks the wire schema itself."""
+
+    def __init__(self, message: str, *, contract: bool = False) -> None:
+        super().__init__(message)
+        self.contract = contract
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GenerateReq:
+    rid: str | None
+    input_ids: list[int] | None
+    text: str | None
+    params: SamplingParams
+    return_logprob: bool
+    return_text_in_logprobs: bool
+    return_prompt_token_ids: bool
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AbortReq:
+    rid: str
+    abort_all: bool
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PauseReq:
+    mode: PauseMode
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UpdateFromDiskReq:
+    model_path: str
+    weight_version: str | None
+    abort_all_requests: bool
+    flush_cache: bool
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InitGroupReq:
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    backend: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UpdateFromDistributedReq:
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str
+    weight_version: str | None
+    abort_all_requests: bool
+    flush_cache: bool
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UpdateVersionReq:
+    new_version: str
+    abort_all_requests: bool
+
+
+def parse_generate(body: object) -> GenerateReq:
+    m = _object(body, "GenerateRequest")
+    for key, default in _GENERATE_DEFAULT_ONLY.items():
+        if m.get(key) not in (None, default):
+            raise BadRequest(f"{key}={m[key]!r} is not supported by the embedded engine")
+    if (
+        isinstance(m.get("rid"), list)
+        or isinstance(m.get("text"), list)
+        or isinstance(m.get("sampling_params"), list)
+    ):
+        raise BadRequest(
+            "batch requests (lists of rid/text/sampling_params) are not supported by the embedded engine"
+        )
+    ids = m.get("input_ids")
+    if isinstance(ids, list) and ids and isinstance(ids[0], list):
+        raise BadRequest("batch input_ids (a list of lists) is not supported by the embedded engine")
+    input_ids = None if ids is None else _int_list(ids, "input_ids")
+    text = _opt(m, "text", str)
+    if (input_ids is None) == (text is None):
+        raise BadRequest("exactly one of input_ids or text must be given")
+    if input_ids is not None and not input_ids:
+        raise BadRequest("input_ids must not be empty")
+    if text is not None and not text:
+        raise BadRequest("text must not be empty")
+    start = _opt(m, "logprob_start_len", int)
+    if start not in (None, -1):
+        raise BadRequest("logprob_start_len >= 0 (input logprobs) is not supported by the embedded engine")
+    return GenerateReq(
+        rid=_opt(m, "rid", str),
+        input_ids=input_ids,
+        text=text,
+        params=parse_sampling_params(m.get("sampling_params")),
+        return_logprob=bool(_opt(m, "return_logprob", bool)),
+        return_text_in_logprobs=bool(_opt(m, "return_text_in_logprobs", bool)),
+        return_prompt_token_ids=bool(_opt(m, "return_prompt_token_ids", bool)),
+    )
+
+
+def parse_sampling_params(raw: object) -> SamplingParams:
+    m = {} if raw is None else _object(raw, "SamplingParams")
+    unknown = set(m) - _SAMPLING_KEYS_IMPLEMENTED - set(_SAMPLING_DEFAULT_ONLY)
+    if unknown:
+        raise BadRequest(f"unknown field `{sorted(unknown)[0]}` in sampling_params", contract=True)
+    for key, default in _SAMPLING_DEFAULT_ONLY.items():
+        if m.get(key) not in (None, default):
+            raise BadRequest(f"sampling_params.{key}={m[key]!r} is not supported by the embedded engine")
+    max_new = _opt(m, "max_new_tokens", int)
+    temperature = _opt(m, "temperature", float)
+    top_p = _opt(m, "top_p", float)
+    top_k = _opt(m, "top_k", int)
+    min_p = _opt(m, "min_p", float)
+    n = _opt(m, "n", int)
+    stop_raw = m.get("stop")
+    stop = (
+        (stop_raw,) if isinstance(stop_raw, str) else tuple(_str_list(stop_raw, "stop")) if stop_raw else ()
+    )
+    stop_ids = m.get("stop_token_ids")
+    params = SamplingParams(
+        max_new_tokens=128 if max_new is None else max_new,
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        top_k=TOP_K_ALL if top_k in (None, -1) else top_k,
+        min_p=0.0 if min_p is None else min_p,
+        stop=tuple(s for s in stop if s),
+        stop_token_ids=frozenset(() if stop_ids is None else _int_list(stop_ids, "stop_token_ids")),
+        ignore_eos=bool(_opt(m, "ignore_eos", bool)),
+        skip_special_tokens=_opt(m, "skip_special_tokens", bool) is not False,
+        no_stop_trim=bool(_opt(m, "no_stop_trim", bool)),
+        sampling_seed=_opt(m, "sampling_seed", int),
+    )
+    _opt(m, "spaces_between_special_tokens", bool)
+    _opt(m, "stream_interval", int)
+    # Value checks, with SGLang's wording where it has one (sampling_params.py `verify`).
+    if params.max_new_tokens < 0:
+        raise BadRequest(f"max_new_tokens must be at least 0, got {params.max_new_tokens}.")
+    if params.temperature < 0.0:
+        raise BadRequest(f"temperature must be non-negative, got {params.temperature}.")
+    if not 0.0 < params.top_p <= 1.0:
+        raise BadRequest(f"top_p must be in (0, 1], got {params.top_p}.")
+    if params.top_k < 1:
+        raise BadRequest(f"top_k must be -1 (disable), or at least 1, got {params.top_k}.")
+    if not 0.0 <= params.min_p <= 1.0:
+        raise BadRequest(f"min_p must be in [0, 1], got {params.min_p}.")
+    if n not in (None, 1):
+        raise BadRequest(f"n={n} is not supported by the embedded engine (send n separate requests)")
+    return params
+
+
+def parse_abort(body: object) -> AbortReq:
+    m = _object(body, "AbortReq")
+    return AbortReq(rid=_opt(m, "rid", str) or "", abort_all=bool(_opt(m, "abort_all", bool)))
+
+
+def parse_pause(body: object) -> PauseReq:
+    m = _object(body, "PauseGenerationReqInput")
+    mode = _opt(m, "mode", str) or "abort"
+    if mode not in _PAUSE_MODES:
+        raise BadRequest(f"unknown pause mode {mode!r}; expected one of {list(_PAUSE_MODES)}")
+    return PauseReq(mode=mode)  # type: ignore[arg-type]  # narrowed by the membership check
+
+
+def parse_slow_down(body: object) -> float | None:
+    m = _object(body, "SlowDownReqInput")
+    t = _opt(m, "forward_sleep_time", float)
+    if t is not None and t < 0:
+        raise BadRequest(f"forward_sleep_time must be >= 0, got {t}")
+    return t
+
+
+def parse_update_from_disk(body: object) -> UpdateFromDiskReq:
+    m = _object(body, "UpdateWeightFromDiskReqInput")
+    _check_load_format(m)
+    return UpdateFromDiskReq(
+        model_path=_required(m, "model_path", str),
+        weight_version=_opt(m, "weight_version", str),
+        abort_all_requests=bool(_opt(m, "abort_all_requests", bool)),
+        flush_cache=_opt(m, "flush_cache", bool) is not False,
+    )
+
+
+def parse_init_group(body: object) -> InitGroupReq:
+    m = _object(body, "InitWeightsUpdateGroupReqInput")
+    req = InitGroupReq(
+        master_address=_required(m, "master_address", str),
+        master_port=_required(m, "master_port", int),
+        rank_offset=_required(m, "rank_offset", int),
+        world_size=_required(m, "world_size", int),
+        group_name=_opt(m, "group_name", str) or DEFAULT_GROUP_NAME,
+        backend=_opt(m, "backend", str) or "nccl",
+    )
+    if req.backend != "gloo":
+        raise BadRequest(f"backend {req.backend!r} is not available on the embedded CPU engine; use 'gloo'")
+    if not 0 < req.rank_offset < req.world_size:
+        raise BadRequest(f"need 0 < rank_offset < world_size (rank 0 is the trainer), got {req}")
+    if not 0 < req.master_port < 65536:
+        raise BadRequest(f"master_port must be in 1..65535, got {req.master_port}")
+    return req
+
+
+def parse_update_from_distributed(body: object) -> UpdateFromDistributedReq:
+    m = _object(body, "UpdateWeightsFromDistributedReqInput")
+    _check_load_format(m)
+    names = _str_list(_required(m, "names", list), "names")
+    dtypes = _str_list(_required(m, "dtypes", list), "dtypes")
+    shapes_raw = _required(m, "shapes", list)
+    shapes = [_int_list(s, f"shapes[{i}]") for i, s in enumerate(shapes_raw)]
+    if not len(names) == len(dtypes) == len(shapes):
+        raise BadRequest(
+            f"names, dtypes and shapes differ in length: {len(names)}, {len(dtypes)}, {len(shapes)}"
+        )
+    if not names:
+        raise BadRequest("names must not be empty")
+    if len(set(names)) != len(names):
+        raise BadRequest("names must not repeat a tensor")
+    if any(d < 0 for s in shapes for d in s):
+        raise BadRequest("shapes must not have negative dimensions")
+    return UpdateFromDistributedReq(
+        names=names,
+        dtypes=dtypes,
+        shapes=shapes,
+        group_name=_opt(m, "group_name", str) or DEFAULT_GROUP_NAME,
+        weight_version=_opt(m, "weight_version", str),
+        abort_all_requests=bool(_opt(m, "abort_all_requests", bool)),
+        flush_cache=_opt(m, "flush_cache", bool) is not False,
+    )
+
+
+def parse_update_version(body: object) -> UpdateVersionReq:
+    m = _object(body, "UpdateWeightVersionReqInput")
+    aborts = _opt(m, "abort_all_requests", bool)
+    # SGLang's default is True (abort everything): kept for fidelity; miles_aio's client always sends False.
+    return UpdateVersionReq(
+        new_version=_required(m, "new_version", str), abort_all_requests=aborts is not False
+    )
+
+
+def parse_group_name(body: object) -> str:
+    m = _object(body, "DestroyWeightsUpdateGroupReqInput")
+    return _opt(m, "group_name", str) or DEFAULT_GROUP_NAME
+
+
+# ---- small typed readers; messages follow serde's style, like SGLang's contract errors ----
+
+
+def _object(value: object, what: str) -> Mapping[str, Any]:
+    if not isinstance(value, dict):
+        raise BadRequest(f"invalid type: expected struct {what} (a JSON object)", contract=True)
+    return value
+
+
+def _is(value: object, kind: type) -> bool:
+    if isinstance(value, bool):
+        return kind is bool
+    if kind is float:
+        return isinstance(value, int | float)
+    return isinstance(value, kind)
+
+
+def _opt(m: Mapping[str, Any], key: str, kind: type[T]) -> T | None:
+    value = m.get(key)
+    if value is None:
+        return None
+    if not _is(value, kind):
+        raise BadRequest(f"invalid type for `{key}`: {value!r}, expected {kind.__name__}", contract=True)
+    return float(value) if kind is float else value  # type: ignore[return-value]  # checked above
+
+
+def _required(m: Mapping[str, Any], key: str, kind: type[T]) -> T:
+    value = _opt(m, key, kind)
+    if value is None:
+        raise BadRequest(f"missing field `{key}`", contract=True)
+    return value
+
+
+def _int_list(value: object, key: str) -> list[int]:
+    if not isinstance(value, list) or not all(_is(v, int) for v in value):
+        raise BadRequest(f"invalid type for `{key}`: expected a list of integers", contract=True)
+    return value
+
+
+def _str_list(value: object, key: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise BadRequest(f"invalid type for `{key}`: expected a list of strings", contract=True)
+    return value
+
+
+def _check_load_format(m: Mapping[str, Any]) -> None:
+    fmt = _opt(m, "load_format", str)
+    if fmt not in (None, "auto", "safetensors"):
+        raise BadRequest(
+            f"load_format {fmt!r} is not supported by the embedded engine (use auto/safetensors)"
+        )

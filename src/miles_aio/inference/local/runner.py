@@ -1,0 +1,163 @@
+"""The compute side of the engine: executes one planned step, and keeps the prefix cache's KV.
+
+`ModelRunner.step(plan)` consumes a `StepPlan` built on the event loop (which rows to prefill, which to
+decode, with what sampling) and produces a `StepResult` (one token + logprob per row, and prompt KV to
+cache). It runs on the engine's single compute thread and never touches request bookkeeping, so the
+event loop stays the only owner of scheduling state; the loop in turn never touches tensors.
+
+Prefix cache: prompt KV keyed by the prompt's tokens and tagged with the *weights epoch* it was computed
+under. The engine bumps the epoch on every weight load, and a lookup only matches entries of the
+current epoch, so KV computed under old weights is never served to a later request, even when an update
+asked for `flush_cache: false` or a frozen in-place request is still running on its old KV.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from miles_aio.inference.local.model import KVPool, LlamaModel
+from miles_aio.inference.local.sampling import SamplingParams, sample_batch
+
+__all__ = ["CachedPrefix", "ModelRunner", "PrefixCache", "Row", "StepPlan", "StepResult"]
+
+
+@dataclass(frozen=True, slots=True)
+class CachedPrefix:
+    """Keys/values of a prompt, per layer [n_kv_heads, length, head_dim], and the weights epoch."""
+
+    tokens: torch.Tensor
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    epoch: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Row:
+    """One sequence in a step: feed `tokens` at positions start.. into `slot`, then sample one token."""
+
+    slot: int
+    tokens: list[int]
+    start: int
+    params: SamplingParams
+    generator: torch.Generator
+    reuse: CachedPrefix | None = None
+    """Copy this prefix's first `start` positions into the slot before feeding (a prefix-cache hit)."""
+    save_prefix: int = 0
+    """After the forward, return a copy of the slot's first `save_prefix` positions for the cache."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepPlan:
+    prefills: list[Row]
+    """Rows fed one at a time (many tokens each)."""
+    decodes: list[Row]
+    """Rows fed together as one batch (one token each)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepResult:
+    tokens: list[int]
+    """One sampled token per row: prefills first, then decodes, in plan order."""
+    logprobs: list[float]
+    saved: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=dict)
+    """Prefill row index → prompt keys/values, for rows with `save_prefix`."""
+    seconds: float = 0.0
+
+
+class ModelRunner:
+    """Owns the model and the KV pool. Call every method from the compute thread."""
+
+    def __init__(self, model: LlamaModel, *, max_running: int, context_len: int) -> None:
+        self.model = model
+        self.kv = KVPool(model.spec, num_slots=max_running, context_len=context_len, dtype=model.dtype)
+
+    def step(self, plan: StepPlan) -> StepResult:
+        t0 = time.perf_counter()
+        logits: list[torch.Tensor] = []
+        saved: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for i, row in enumerate(plan.prefills):
+            if row.reuse is not None and row.start:
+                self.kv.write(row.slot, row.reuse.k, row.reuse.v, row.start)
+            n = len(row.tokens)
+            logits.append(
+                self.model.forward(
+                    torch.tensor([row.tokens]),
+                    torch.arange(row.start, row.start + n)[None, :],
+                    slots=torch.tensor([row.slot]),
+                    kv=self.kv,
+                    kv_len=row.start + n,
+                )
+            )
+            if row.save_prefix:
+                saved[i] = self.kv.read(row.slot, row.save_prefix)
+        if plan.decodes:
+            positions = torch.tensor([[r.start] for r in plan.decodes])
+            logits.append(
+                self.model.forward(
+                    torch.tensor([r.tokens for r in plan.decodes]),
+                    positions,
+                    slots=torch.tensor([r.slot for r in plan.decodes]),
+                    kv=self.kv,
+                    kv_len=int(positions.max()) + 1,
+                )
+            )
+        rows = [*plan.prefills, *plan.decodes]
+        tokens, logprobs = sample_batch(
+            torch.cat(logits), [r.params for r in rows], [r.generator for r in rows]
+        )
+        return StepResult(tokens=tokens, logprobs=logprobs, saved=saved, seconds=time.perf_counter() - t0)
+
+    def apply_weights(self, staged: dict[str, torch.Tensor]) -> None:
+        """Copy validated tensors into the live weights (the caller bumps the weights epoch)."""
+        with torch.inference_mode():
+            for name, tensor in staged.items():
+                self.model.weights[name].copy_(tensor)
+
+
+class PrefixCache:
+    """LRU map prompt → KV, by longest common prefix, matching only the current weights epoch.
+
+    Owned by the event loop (lookups and inserts happen while planning/applying a step); the tensors it
+    holds are never written after insertion, so handing them to the compute thread is safe.
+    """
+
+    def __init__(self, max_entries: int) -> None:
+        self.max_entries = max_entries
+        self._entries: OrderedDict[tuple[int, ...], CachedPrefix] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, tokens: list[int], *, epoch: int) -> tuple[int, CachedPrefix | None]:
+        """The longest reusable prefix of `tokens` (at most len - 1: the last token must be fed)."""
+        if not self._entries or len(tokens) < 2:
+            return 0, None
+        query = torch.tensor(tokens)
+        best, best_entry, best_key = 0, None, None
+        for key, entry in self._entries.items():
+            if entry.epoch != epoch:
+                continue
+            n = min(len(entry.tokens), len(tokens) - 1)
+            same = entry.tokens[:n] == query[:n]
+            lcp = n if bool(same.all()) else int((~same).nonzero()[0, 0])
+            if lcp > best:
+                best, best_entry, best_key = lcp, entry, key
+        if best_key is not None:
+            self._entries.move_to_end(best_key)
+        return best, best_entry
+
+    def insert(self, tokens: list[int], k: list[torch.Tensor], v: list[torch.Tensor], *, epoch: int) -> None:
+        if self.max_entries <= 0:
+            return
+        key = tuple(tokens)
+        self._entries[key] = CachedPrefix(tokens=torch.tensor(tokens), k=k, v=v, epoch=epoch)
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        self._entries.clear()

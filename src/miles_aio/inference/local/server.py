@@ -1,0 +1,193 @@
+"""The embedded engine's HTTP server: SGLang's native API (a subset) over aiohttp.
+
+Process layout: one event loop runs aiohttp and `LocalEngine.run()` in one TaskGroup; model compute and
+weight copies run on one dedicated compute thread; blocking torch.distributed calls (rendezvous,
+broadcast receive) and checkpoint reads run in `asyncio.to_thread`, so none of them stalls HTTP.
+
+Responses follow SGLang byte for byte where it matters to clients: `/generate` answers
+`{text, output_ids, meta_info}`; a request that breaks the wire schema gets 400 `{"error": "<text>"}`, and
+one the engine refuses for its content gets 400 `{"error": {"message": ...}}`; weight endpoints answer
+`{"success", "message", ...}`, 200 or 400; `/flush_cache` answers plain text. With `--api-key`, every
+route except `/health*` and `/ready` needs `Authorization: Bearer <key>` (401 otherwise).
+
+Lifecycle (`serve`): load the model, bind, write ONE JSON "ready" line to stdout, serve until SIGTERM/
+SIGINT (or stdin EOF with `--exit-on-stdin-eof`: the launcher's pipe closes when its process dies), then
+abort in-flight requests (they answer with finish_reason abort) and stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Final
+
+import structlog
+import torch
+from aiohttp import web
+from tokenizers import Tokenizer
+
+from miles_aio.inference.local import protocol as proto
+from miles_aio.inference.local import weight_sync
+from miles_aio.inference.local.engine import EngineClosed, LocalEngine
+from miles_aio.inference.local.handlers import GenerationHandlers
+from miles_aio.inference.local.model import LlamaModel, LlamaSpec
+from miles_aio.inference.local.runner import ModelRunner
+from miles_aio.inference.local.state import ServerConfig, ServerState, bad_request
+from miles_aio.inference.local.weight_handlers import WeightHandlers
+
+__all__ = ["ServerConfig", "build_app", "serve"]
+
+_log = structlog.get_logger(__name__)
+_OPEN_PATHS: Final = ("/health", "/ready", "/metrics")  # exempt from the API key, as in SGLang
+_SHUTDOWN_TIMEOUT_S: Final = 5.0
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+async def serve(cfg: ServerConfig) -> None:
+    """Run the server until a signal (or stdin EOF); see the module docstring."""
+    torch.set_num_threads(cfg.num_threads)
+    model_path = cfg.model_path.resolve()
+    spec = LlamaSpec.from_model_dir(model_path)
+    context_len = min(cfg.context_length or spec.max_position_embeddings, spec.max_position_embeddings)
+    model = LlamaModel.load(model_path, context_len=context_len)
+    tok_file = model_path / "tokenizer.json"
+    tokenizer = Tokenizer.from_file(str(tok_file)) if tok_file.exists() else None
+    if tokenizer is None:
+        _log.warning("engine.no_tokenizer", hint="text input is refused and output text is empty")
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-compute")
+    runner = ModelRunner(model, max_running=cfg.max_running_requests, context_len=context_len)
+
+    def detokenize(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ""
+
+    state = ServerState(
+        cfg=cfg,
+        model=model,
+        executor=executor,
+        tokenizer=tokenizer,
+        model_path=model_path,
+        weights_root=(cfg.weights_root or model_path.parent).resolve(),
+        engine=LocalEngine(
+            runner,
+            executor=executor,
+            detokenize=detokenize,
+            context_len=context_len,
+            weight_version=cfg.weight_version,
+            prefix_cache_entries=cfg.prefix_cache_entries,
+            seed=cfg.seed,
+        ),
+    )
+    _log.info(
+        "engine.loaded",
+        model=str(model_path),
+        context_len=context_len,
+        kv_bytes=runner.kv.nbytes,
+        threads=cfg.num_threads,
+    )
+    app = build_app(state)
+    app_runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=_SHUTDOWN_TIMEOUT_S
+    )
+    await app_runner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        site = web.TCPSite(app_runner, cfg.host, cfg.port)
+        await site.start()
+        state.port = app_runner.addresses[0][1]
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(state.engine.run(), name="engine-scheduler")
+            watcher = (
+                tg.create_task(_watch_stdin(stop), name="stdin-watch") if cfg.exit_on_stdin_eof else None
+            )
+            ready = {"event": "ready", "host": cfg.host, "port": state.port, "pid": os.getpid()}
+            sys.stdout.write(json.dumps(ready) + "\n")  # the launcher waits on this line
+            sys.stdout.flush()
+            _log.info("engine.ready", host=cfg.host, port=state.port)
+            await stop.wait()
+            _log.info("engine.stopping")
+            state.engine.close()  # wakes run(); in-flight /generate calls answer with finish_reason abort
+            if watcher is not None:
+                watcher.cancel()
+    finally:
+        await app_runner.cleanup()
+        executor.shutdown(wait=True)
+        for pg in state.groups.values():
+            weight_sync.destroy_process_group(pg)
+
+
+async def _watch_stdin(stop: asyncio.Event) -> None:
+    """Set `stop` at stdin EOF: the launcher holds the write end, so EOF means it is gone."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    while await reader.read(4096):
+        pass
+    _log.warning("engine.stdin_closed", hint="the launching process is gone; shutting down")
+    stop.set()
+
+
+def build_app(state: ServerState) -> web.Application:
+    app = web.Application(
+        middlewares=[_auth_middleware(state.cfg.api_key), _error_middleware], client_max_size=1 << 26
+    )
+    g, w = GenerationHandlers(state), WeightHandlers(state)
+    routes: list[tuple[str, str, Handler]] = [
+        ("POST", "/generate", g.generate), ("PUT", "/generate", g.generate),
+        ("POST", "/abort_request", g.abort_request),
+        ("POST", "/pause_generation", g.pause_generation),
+        ("POST", "/continue_generation", g.continue_generation),
+        ("GET", "/flush_cache", g.flush_cache), ("POST", "/flush_cache", g.flush_cache),
+        ("GET", "/slow_down", g.slow_down), ("POST", "/slow_down", g.slow_down),
+        ("GET", "/health", g.health), ("GET", "/ready", g.health),
+        ("GET", "/health_generate", g.health_generate),
+        ("GET", "/model_info", g.model_info), ("GET", "/get_model_info", g.model_info),
+        ("GET", "/server_info", g.server_info), ("GET", "/get_server_info", g.server_info),
+        ("POST", "/update_weights_from_disk", w.update_weights_from_disk),
+        ("POST", "/init_weights_update_group", w.init_weights_update_group),
+        ("POST", "/destroy_weights_update_group", w.destroy_weights_update_group),
+        ("POST", "/update_weights_from_distributed", w.update_weights_from_distributed),
+        ("POST", "/update_weight_version", w.update_weight_version),
+        ("GET", "/get_weights_by_name", w.get_weights_by_name),
+        ("POST", "/get_weights_by_name", w.get_weights_by_name),
+    ]  # fmt: skip
+    for method, path, handler in routes:
+        app.router.add_route(method, path, handler)
+    return app
+
+
+def _auth_middleware(api_key: str | None) -> Any:
+    @web.middleware
+    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if api_key is not None and not request.path.startswith(_OPEN_PATHS):
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), api_key.encode()):
+                return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    return auth
+
+
+@web.middleware
+async def _error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except proto.BadRequest as exc:
+        return bad_request(exc)
+    except EngineClosed as exc:
+        return web.json_response({"error": {"message": str(exc)}}, status=503)
+    except web.HTTPException:
+        raise  # aiohttp's own 404/405 answers
+    except Exception as exc:  # a bug: answer JSON, log the traceback, keep serving
+        _log.exception("engine.handler_failed", path=request.path)
+        return web.json_response(
+            {"error": {"message": f"internal error: {type(exc).__name__}: {exc}"}}, status=500
+        )

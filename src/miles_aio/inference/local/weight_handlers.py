@@ -1,0 +1,162 @@
+"""Weight routes: `/update_weights_from_disk`, `/init_weights_update_group`, `/destroy_weights_update_group`,
+`/update_weights_from_distributed`, `/update_weight_version`, `/get_weights_by_name`.
+
+Each update is read (from disk, or by broadcast from trainer rank 0), validated whole by
+`weights.stage_update`, and only then handed to `LocalEngine.update_weights`, which swaps it in between
+steps. Answers are SGLang's `{"success", "message", ...}`, 200 or 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import torch
+from aiohttp import web
+
+from miles_aio.inference.local import protocol as proto
+from miles_aio.inference.local import weight_sync
+from miles_aio.inference.local.state import ServerState, read_body, weight_reply
+from miles_aio.inference.local.weights import (
+    WeightUpdateError,
+    parse_dtype,
+    read_checkpoint,
+    resolve_weights_dir,
+    stage_update,
+)
+
+__all__ = ["WeightHandlers"]
+
+
+class WeightHandlers:
+    def __init__(self, state: ServerState) -> None:
+        self.s = state
+        self.engine = state.engine
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        try:
+            req = proto.parse_update_from_disk(await read_body(request))
+            path = resolve_weights_dir(req.model_path, weights_root=self.s.weights_root)
+            staged = await asyncio.to_thread(self._stage_from_disk, path)
+        except (proto.BadRequest, WeightUpdateError) as exc:
+            return weight_reply(False, f"Failed to update weights: {exc}", num_paused_requests=0)
+        if req.abort_all_requests:
+            self.engine.abort(
+                abort_all=True, message="Aborted by update_weights_from_disk(abort_all_requests)"
+            )
+        n_paused = await self.engine.update_weights(
+            staged, weight_version=req.weight_version, flush_cache=req.flush_cache
+        )
+        self.s.model_path = path
+        msg = "Succeeded to update model weights." + (
+            f" Weight version updated to {req.weight_version}." if req.weight_version else ""
+        )
+        return weight_reply(True, msg, num_paused_requests=n_paused)
+
+    def _stage_from_disk(self, path: Path) -> dict[str, torch.Tensor]:
+        return stage_update(
+            self.s.model.spec, read_checkpoint(path), dtype=self.s.model.dtype, require_all=True
+        )
+
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        try:
+            req = proto.parse_init_group(await read_body(request))
+        except proto.BadRequest as exc:
+            return weight_reply(False, str(exc))
+        if req.group_name in self.s.groups:
+            return weight_reply(False, f"group {req.group_name!r} already exists; destroy it first")
+        try:
+            # Blocks until every rank joined: off the loop. The engine is rank_offset + tp_rank (tp = 1).
+            pg = await asyncio.to_thread(
+                weight_sync.init_custom_process_group,
+                backend=req.backend,
+                master_address=req.master_address,
+                master_port=req.master_port,
+                world_size=req.world_size,
+                rank=req.rank_offset,
+                group_name=req.group_name,
+            )
+        except Exception as exc:
+            return weight_reply(False, f"Failed to initialize custom process group: {exc}.")
+        self.s.groups[req.group_name] = pg
+        return weight_reply(True, "Succeeded to initialize custom process group.")
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        pg = self.s.groups.pop(proto.parse_group_name(await read_body(request)), None)
+        if pg is None:
+            return weight_reply(False, "The group to be destroyed does not exist.")
+        await asyncio.to_thread(weight_sync.destroy_process_group, pg)
+        return weight_reply(True, "Succeeded to destroy custom process group.")
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        try:
+            req = proto.parse_update_from_distributed(await read_body(request))
+            dtypes = [parse_dtype(d) for d in req.dtypes]
+        except (proto.BadRequest, WeightUpdateError) as exc:
+            return weight_reply(False, f"Failed to update parameter online: {exc}")
+        pg = self.s.groups.get(req.group_name)
+        if pg is None:
+            known = sorted(self.s.groups)
+            return weight_reply(
+                False, f"Group {req.group_name} not in {known}. Call init_weights_update_group first."
+            )
+        try:
+            async with self.s.dist_lock:  # collectives on one group must not interleave
+                tensors = await asyncio.to_thread(
+                    weight_sync.receive_weights, shapes=req.shapes, dtypes=dtypes, group=pg
+                )
+        except Exception as exc:
+            return weight_reply(False, f"Failed to receive weights: {exc}")
+        try:
+            # Received first (so rank 0's broadcast completes), validated second: a bad update is
+            # refused whole and the served weights stay as they were.
+            staged = stage_update(
+                self.s.model.spec,
+                dict(zip(req.names, tensors, strict=True)),
+                dtype=self.s.model.dtype,
+                require_all=False,
+            )
+        except WeightUpdateError as exc:
+            return weight_reply(False, f"Failed to update parameter online: {exc}")
+        if req.abort_all_requests:
+            self.engine.abort(
+                abort_all=True, message="Aborted by update_weights_from_distributed(abort_all_requests)"
+            )
+        await self.engine.update_weights(
+            staged, weight_version=req.weight_version, flush_cache=req.flush_cache
+        )
+        return weight_reply(True, "Succeeded to update parameter online.")
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        try:
+            req = proto.parse_update_version(await read_body(request))
+        except proto.BadRequest as exc:
+            return weight_reply(False, f"Failed to update weight version: {exc}")
+        if req.abort_all_requests:
+            self.engine.abort(abort_all=True, message="Aborted by update_weight_version(abort_all_requests)")
+        self.engine.set_weight_version(req.new_version)
+        return web.json_response(
+            {
+                "success": True,
+                "message": f"Weight version updated to {req.new_version}",
+                "new_version": req.new_version,
+            }
+        )
+
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        body = await read_body(request) if request.can_read_body else dict(request.query)
+        if not isinstance(body, dict) or not isinstance(name := body.get("name"), str):
+            raise proto.BadRequest("missing field `name`", contract=True)
+        truncate = body.get("truncate_size", 100)
+        if isinstance(truncate, str) and truncate.isdecimal():  # from a GET query string
+            truncate = int(truncate)
+        if not isinstance(truncate, int) or isinstance(truncate, bool) or truncate < 0:
+            raise proto.BadRequest(f"truncate_size must be a non-negative integer, got {truncate!r}")
+        weights, spec = self.s.model.weights, self.s.model.spec
+        key = "model.embed_tokens.weight" if name == "lm_head.weight" and spec.tie_word_embeddings else name
+        if key not in weights:
+            raise proto.BadRequest(f"Get parameter by name failed: no parameter {name!r}")
+        # Read on the compute thread, so a concurrent weight copy is never seen half-done.
+        loop = asyncio.get_running_loop()
+        rows = await loop.run_in_executor(self.s.executor, lambda: weights[key][:truncate].float().tolist())
+        return web.json_response(rows)

@@ -1,0 +1,108 @@
+"""Reading and validating new weights, before anything touches the live model.
+
+Every update is staged whole and checked against the model's `LlamaSpec` (names, shapes, dtypes) before
+the first byte is copied, so a bad update is a 4xx and leaves the served weights untouched; SGLang instead
+documents that a failed `update_weights_from_distributed` leaves weights "partially updated".
+
+Disk updates may only read under `--weights-root` (default: the parent of `--model-path`): the engine
+is an HTTP server, and `model_path` is client input.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Final
+
+import torch
+from safetensors.torch import load_file
+
+from miles_aio.inference.local.model import LlamaSpec
+
+__all__ = ["WeightUpdateError", "parse_dtype", "read_checkpoint", "resolve_weights_dir", "stage_update"]
+
+_SAFETENSORS_INDEX: Final = "model.safetensors.index.json"
+
+
+class WeightUpdateError(ValueError):
+    """The requested weight update is invalid; the message says why (it becomes the 400 body)."""
+
+
+def resolve_weights_dir(model_path: str, *, weights_root: Path) -> Path:
+    """The real directory `model_path` names, if it lies under `weights_root` and holds safetensors."""
+    root = weights_root.resolve()
+    # realpath first, so a symlink under the root cannot point outside it.
+    path = Path(os.path.realpath(model_path))
+    if path != root and root not in path.parents:
+        raise WeightUpdateError(
+            f"model_path {model_path!r} is outside the engine's --weights-root {str(root)!r}"
+        )
+    if not path.is_dir():
+        raise WeightUpdateError(f"model_path {model_path!r} is not a directory")
+    if not any(path.glob("*.safetensors")):
+        raise WeightUpdateError(f"model_path {model_path!r} holds no *.safetensors file")
+    return path
+
+
+def read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
+    """All tensors of an HF safetensors checkpoint (single file, sharded with an index, or loose shards)."""
+    index = model_dir / _SAFETENSORS_INDEX
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (model_dir / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not files:
+        raise WeightUpdateError(f"{model_dir} holds no safetensors checkpoint")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        tensors.update(load_file(str(model_dir / name)))
+    return tensors
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """`"bfloat16"` / `"torch.float32"` → torch dtype, as SGLang does (`getattr(torch, dtype)`)."""
+    attr = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(attr, torch.dtype):
+        raise WeightUpdateError(f"unknown dtype {name!r}")
+    return attr
+
+
+def stage_update(
+    spec: LlamaSpec,
+    tensors: dict[str, torch.Tensor],
+    *,
+    dtype: torch.dtype,
+    require_all: bool,
+) -> dict[str, torch.Tensor]:
+    """Check `tensors` against the model and return them ready to copy in (contiguous, engine dtype).
+
+    Floating-point tensors of another precision are cast (a bf16 checkpoint into a float32 engine is
+    normal; SGLang casts too). Non-float tensors, unknown names and shape mismatches are rejected.
+    `require_all`: a disk checkpoint must be complete; a broadcast may update any subset.
+    """
+    expected = spec.expected_shapes()
+    staged: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if spec.is_ignored(name):
+            continue
+        if name not in expected:
+            raise WeightUpdateError(
+                f"unknown tensor {name!r}: not a parameter of this {spec.model_type} model"
+            )
+        if tuple(tensor.shape) != expected[name]:
+            raise WeightUpdateError(
+                f"shape mismatch for {name}: got {list(tensor.shape)}, the model has {list(expected[name])}"
+            )
+        if not tensor.dtype.is_floating_point:
+            raise WeightUpdateError(
+                f"dtype mismatch for {name}: got {tensor.dtype}, expected a floating dtype"
+            )
+        staged[name] = tensor.to(dtype).contiguous()
+    if not staged:
+        raise WeightUpdateError("the update holds no parameter of this model")
+    if require_all and (missing := set(expected) - set(staged)):
+        raise WeightUpdateError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+    return staged

@@ -1,0 +1,199 @@
+"""Build a tiny random-init Llama with a character-level tokenizer, fully offline, in about a second.
+
+The result is an ordinary Hugging Face model directory, so every consumer loads it the same way it loads
+a real checkpoint: `transformers.AutoModelForCausalLM` / `AutoTokenizer`, SGLang, and the embedded CPU
+engine (`miles_aio.inference.local`)::
+
+    out_dir/
+      config.json               LlamaForCausalLM (`rope_theta` and `rope_parameters`: old and new readers)
+      generation_config.json    bos/eos/pad ids
+      model.safetensors         float32, HF Llama tensor names
+      tokenizer.json            one token per character of `alphabet`, plus <pad> <s> </s>
+      tokenizer_config.json, special_tokens_map.json
+
+Token ids: `<pad>`=0, `<s>`=1, `</s>`=2 (the eos), then the characters of `alphabet` in order of first
+appearance. Encoding adds no special tokens, and characters outside the alphabet are dropped, because the
+tokenizer has no unknown token. A character-level vocabulary keeps the model small and makes toy tasks
+readable, since every sampled token is one visible character.
+
+Nothing here imports transformers (it costs seconds); `load_tokenizer` does, lazily.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+__all__ = ["BOS_TOKEN", "EOS_TOKEN", "PAD_TOKEN", "SPECIAL_TOKENS", "build_tiny_llama", "load_tokenizer"]
+
+PAD_TOKEN: Final = "<pad>"
+BOS_TOKEN: Final = "<s>"
+EOS_TOKEN: Final = "</s>"
+SPECIAL_TOKENS: Final = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN)
+_INITIALIZER_RANGE: Final = 0.02
+"""Std of the normal init of every matrix, as transformers' `LlamaConfig.initializer_range` default."""
+# A trivial chat template: the alphabet is arbitrary, so role markers could not be encoded anyway.
+_CHAT_TEMPLATE: Final = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+
+
+def build_tiny_llama(
+    out_dir: Path,
+    *,
+    alphabet: str,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int | None = None,
+    max_position_embeddings: int = 256,
+    rope_theta: float = 10000.0,
+    rms_norm_eps: float = 1e-6,
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+) -> Path:
+    """Write a random-init `LlamaForCausalLM` with a char-level tokenizer to `out_dir`, then return it.
+
+    The same arguments give byte-identical weights (the init uses its own seeded `torch.Generator`).
+    `intermediate_size` defaults to 2 × `hidden_size` (rounded up to a multiple of 8).
+    """
+    chars = list(dict.fromkeys(alphabet))  # dedupe, keep first-appearance order
+    if not chars:
+        raise ValueError("alphabet must contain at least one character")
+    if hidden_size % num_heads or num_heads % num_kv_heads:
+        raise ValueError(
+            f"need hidden_size % num_heads == 0 and num_heads % num_kv_heads == 0, got "
+            f"hidden_size={hidden_size}, num_heads={num_heads}, num_kv_heads={num_kv_heads}"
+        )
+    head_dim = hidden_size // num_heads
+    if head_dim % 2:
+        raise ValueError(f"head_dim = hidden_size / num_heads must be even for RoPE, got {head_dim}")
+    inter = intermediate_size if intermediate_size is not None else 8 * math.ceil(2 * hidden_size / 8)
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for c in chars:
+        vocab.setdefault(c, len(vocab))
+    vocab_size = len(vocab)
+    pad_id, bos_id, eos_id = (vocab[t] for t in SPECIAL_TOKENS)
+
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": inter,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": rms_norm_eps,
+        "rope_theta": rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "initializer_range": _INITIALIZER_RANGE,
+        "tie_word_embeddings": tie_word_embeddings,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
+        "torch_dtype": "float32",
+        "use_cache": True,
+    }
+    _write_json(out_dir / "config.json", config)
+    _write_json(
+        out_dir / "generation_config.json",
+        {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id},
+    )
+    save_file(
+        _init_weights(config, seed=seed),
+        str(out_dir / "model.safetensors"),
+        metadata={"format": "pt"},  # transformers refuses safetensors files without this marker
+    )
+    _write_tokenizer(out_dir, vocab=vocab, model_max_length=max_position_embeddings)
+    return out_dir
+
+
+def load_tokenizer(model_dir: Path | str) -> PreTrainedTokenizerFast:
+    """The model dir's tokenizer as a transformers fast tokenizer (imports transformers, ~1 s)."""
+    from transformers import PreTrainedTokenizerFast
+
+    model_dir = Path(model_dir)
+    special = json.loads((model_dir / "special_tokens_map.json").read_text())
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # transformers ships untyped
+        tokenizer_file=str(model_dir / "tokenizer.json"),
+        bos_token=special["bos_token"],
+        eos_token=special["eos_token"],
+        pad_token=special["pad_token"],
+        clean_up_tokenization_spaces=False,
+        chat_template=_CHAT_TEMPLATE,
+    )
+
+
+def _init_weights(config: dict[str, Any], *, seed: int) -> dict[str, torch.Tensor]:
+    """HF Llama tensor names → float32 tensors: matrices ~ N(0, 0.02), norms = 1 (as transformers inits)."""
+    gen = torch.Generator().manual_seed(seed)
+    h, inter, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    hd, nh, nkv = config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * _INITIALIZER_RANGE
+
+    weights: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(v, h)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        weights |= {
+            p + "self_attn.q_proj.weight": normal(nh * hd, h),
+            p + "self_attn.k_proj.weight": normal(nkv * hd, h),
+            p + "self_attn.v_proj.weight": normal(nkv * hd, h),
+            p + "self_attn.o_proj.weight": normal(h, nh * hd),
+            p + "mlp.gate_proj.weight": normal(inter, h),
+            p + "mlp.up_proj.weight": normal(inter, h),
+            p + "mlp.down_proj.weight": normal(h, inter),
+            p + "input_layernorm.weight": torch.ones(h),
+            p + "post_attention_layernorm.weight": torch.ones(h),
+        }
+    weights["model.norm.weight"] = torch.ones(h)
+    if not config["tie_word_embeddings"]:
+        weights["lm_head.weight"] = normal(v, h)
+    return weights
+
+
+def _write_tokenizer(out_dir: Path, *, vocab: dict[str, int], model_max_length: int) -> None:
+    # BPE with no merges and no pre-tokenizer splits the whole input into characters and looks each one
+    # up; the Fuse decoder joins tokens with "" (the default decoder would insert spaces).
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.decoder = decoders.Fuse()
+    tok.save(str(out_dir / "tokenizer.json"))
+    special_map = {"pad_token": PAD_TOKEN, "bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN}
+    _write_json(out_dir / "special_tokens_map.json", special_map)
+    _write_json(
+        out_dir / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            **special_map,
+            "model_max_length": model_max_length,
+            "clean_up_tokenization_spaces": False,
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "chat_template": _CHAT_TEMPLATE,
+        },
+    )
+
+
+def _write_json(path: Path, obj: object) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
