@@ -6,7 +6,15 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from miles_aio.config import BufferConfig, DataConfig, DriverConfig, RolloutConfig, RunConfig, SchedulerConfig
+from miles_aio.config import (
+    BufferConfig,
+    DataConfig,
+    DriverConfig,
+    EvalConfig,
+    RolloutConfig,
+    RunConfig,
+    SchedulerConfig,
+)
 from miles_aio.data.source import DataSource, PromptRecord
 from miles_aio.rollout.context import RolloutContext
 from miles_aio.types import Group, Sample
@@ -29,6 +37,7 @@ def make_config(run_dir: Path | None = None, **overrides: Any) -> RunConfig:
         ("scheduler", SchedulerConfig),
         ("buffer", BufferConfig),
         ("driver", DriverConfig),
+        ("eval", EvalConfig),
     ):
         names = {f.name for f in dataclasses.fields(cls)}
         parts[attr] = cls(**{k: values.pop(k) for k in list(values) if k in names})

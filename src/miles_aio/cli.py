@@ -21,6 +21,7 @@ from miles_aio.config import (
     BufferConfig,
     DataConfig,
     DriverConfig,
+    EvalConfig,
     RolloutConfig,
     RunConfig,
     SchedulerConfig,
@@ -37,6 +38,7 @@ COMPONENTS: list[tuple[str, type[Any], str]] = [
     ("scheduler", SchedulerConfig, "submission scheduler"),
     ("buffer", BufferConfig, "data buffer"),
     ("driver", DriverConfig, "driver step loop"),
+    ("eval", EvalConfig, "evaluation"),
 ]
 
 

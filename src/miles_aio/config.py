@@ -20,6 +20,7 @@ __all__ = [
     "BufferConfig",
     "DataConfig",
     "DriverConfig",
+    "EvalConfig",
     "RolloutConfig",
     "RunConfig",
     "SchedulerConfig",
@@ -195,6 +196,42 @@ class DriverConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class EvalConfig:
+    """Evaluation (`miles_aio.eval`); `--eval-interval` is with the driver's periodic actions."""
+
+    eval_prompt_data: tuple[str, ...] = opt(
+        (), "Eval datasets as NAME PATH pairs (JSONL, same keys as --prompt-data).", metavar="NAME PATH"
+    )
+    n_samples_per_eval_prompt: int = opt(1, "Samples per eval prompt.")
+    eval_max_response_len: int | None = opt(
+        None, "max_new_tokens for eval (default: --rollout-max-response-len)."
+    )
+    eval_temperature: float | None = opt(
+        None, "Sampling temperature for eval (default: --rollout-temperature)."
+    )
+    skip_eval_before_train: bool = opt(False, "Do not evaluate the initial weights.")
+
+    def __post_init__(self) -> None:
+        if len(self.eval_prompt_data) % 2:
+            raise ConfigError("needs NAME PATH pairs", flags=["--eval-prompt-data"])
+        if self.n_samples_per_eval_prompt < 1:
+            raise ConfigError(
+                f"must be >= 1, got {self.n_samples_per_eval_prompt}", flags=["--n-samples-per-eval-prompt"]
+            )
+        if self.eval_max_response_len is not None and self.eval_max_response_len < 1:
+            raise ConfigError(
+                f"must be >= 1, got {self.eval_max_response_len}", flags=["--eval-max-response-len"]
+            )
+        if self.eval_temperature is not None and self.eval_temperature < 0:
+            raise ConfigError(f"must be >= 0, got {self.eval_temperature}", flags=["--eval-temperature"])
+
+    @property
+    def datasets(self) -> dict[str, Path]:
+        pairs = self.eval_prompt_data
+        return {pairs[i]: Path(pairs[i + 1]) for i in range(0, len(pairs), 2)}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RunConfig:
     """A whole run. Cross-component rules live in `__post_init__`."""
 
@@ -203,6 +240,7 @@ class RunConfig:
     scheduler: SchedulerConfig
     buffer: BufferConfig
     driver: DriverConfig
+    eval: EvalConfig = field(default_factory=EvalConfig)
     run_dir: Path = opt(Path("runs/run"), "Directory for everything the run writes.")
 
     def __post_init__(self) -> None:

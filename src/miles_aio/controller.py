@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +36,7 @@ from miles_aio.buffer import BufferItem, DataBuffer, DataBufferContext, FilterDe
 from miles_aio.config import RunConfig
 from miles_aio.data.source import DataSource
 from miles_aio.errors import BufferClosed, RolloutWorkerDied
+from miles_aio.eval.dispatcher import EvalDispatcher
 from miles_aio.inference.base import InferenceEngine
 from miles_aio.ledger import Ledger
 from miles_aio.metrics import JsonlSink, MetricsSink, rollout_batch_metrics
@@ -52,8 +53,6 @@ from miles_aio.types import Group
 __all__ = ["Controller", "RunSummary"]
 
 log = structlog.get_logger("miles_aio.controller")
-
-EvalHook = Callable[[int], Awaitable[dict[str, float]]]
 
 
 @dataclass(slots=True)
@@ -80,14 +79,14 @@ class Controller:
         tokenizer: Tokenizer | None = None,
         num_engines: int = 1,
         sinks: Sequence[MetricsSink] = (),
-        evaluate: EvalHook | None = None,
+        evals: EvalDispatcher | None = None,
         write_files: bool = True,
     ) -> None:
         self.cfg = cfg
         self.trainer = trainer
         self.source = source
         self.version: int | None = None
-        self._evaluate = evaluate
+        self.evals = evals
         self._write_files = write_files
         self._worker_error: BaseException | None = None
         run_dir = cfg.run_dir
@@ -142,6 +141,8 @@ class Controller:
         try:
             async with asyncio.TaskGroup() as tg:
                 await self._push_weights(1)
+                if self.evals is not None and self.evals.due(0):
+                    self.evals.dispatch(tg, steps_done=0, version=1)
                 worker = tg.create_task(self._supervise_worker(), name="rollout-worker")
                 try:
                     await self._step_loop(tg, summary)
@@ -178,26 +179,31 @@ class Controller:
             for item in batch:
                 self.ledger.record("trained", item.group_index, step=step)
             train_s = loop.time() - t_train
-            sync_s = 0.0
-            if (step + 1) % cfg.update_weights_interval == 0:
+            sync_s, eval_s, done = 0.0, 0.0, step + 1
+            if done % cfg.update_weights_interval == 0:
                 if next_drain is not None:
                     t_wait = loop.time()
                     await next_drain  # a batch is drained under one version: finish it before the push
                     wait_data += loop.time() - t_wait
+                eval_s += await self._wait_eval(done)  # an eval point sees one version too
                 t_sync = loop.time()
                 await self._push_weights((self.version or 0) + 1)
                 sync_s = loop.time() - t_sync
-            if cfg.save_interval and cfg.save and ((step + 1) % cfg.save_interval == 0 or step + 1 == n):
+            if cfg.save_interval and cfg.save and (done % cfg.save_interval == 0 or done == n):
                 await self.save(step)
-            t_eval = loop.time()
-            if self._evaluate is not None and cfg.eval_interval and (step + 1) % cfg.eval_interval == 0:
-                metrics.update(await self._evaluate(step))
+            if self.evals is not None and self.evals.due(done):
+                eval_s += await self._wait_eval(done)
+                self.evals.dispatch(tg, steps_done=done, version=self.version or 0)
+            if done == n:
+                eval_s += await self._wait_eval(done)  # the last point lands in the last record
+            if self.evals is not None:
+                metrics.update(self.evals.collect())
             times = StepTimes(
                 step_s=loop.time() - t_step,
                 wait_data_s=wait_data,
                 train_s=train_s,
                 weight_sync_s=sync_s,
-                eval_s=loop.time() - t_eval,
+                eval_s=eval_s,
             )
             metrics.update(self.buffer.get_metrics())
             metrics.update(
@@ -211,6 +217,9 @@ class Controller:
             summary.step_times_s.append(times.step_s)
             summary.last_metrics = metrics
             log.info("step", step=step, version=self.version, **_brief(metrics))
+
+    async def _wait_eval(self, steps_done: int) -> float:
+        return 0.0 if self.evals is None else await self.evals.wait_before_push(steps_done=steps_done)
 
     async def _supervise_worker(self) -> None:
         """Run the worker; keep its error for the drain (loud, with the original traceback)."""

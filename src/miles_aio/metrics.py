@@ -10,7 +10,7 @@ from typing import IO, Protocol
 
 from miles_aio.types import Group, Sample, Status, group_staleness
 
-__all__ = ["JsonlSink", "MetricsSink", "rollout_batch_metrics", "token_staleness_histogram"]
+__all__ = ["JsonlSink", "MetricsSink", "reward_value", "rollout_batch_metrics", "token_staleness_histogram"]
 
 
 class MetricsSink(Protocol):
@@ -36,7 +36,7 @@ class JsonlSink:
         self._file.close()
 
 
-def _reward_value(r: object) -> float | None:
+def reward_value(r: object) -> float | None:
     if isinstance(r, int | float):
         return float(r)
     if isinstance(r, dict):
@@ -69,7 +69,7 @@ def rollout_batch_metrics(batch: Iterable[Group], *, version: int | None) -> dic
     """
     samples = [s for g in batch for s in g]
     groups = list(batch)
-    rewards = [v for s in samples if (v := _reward_value(s.reward)) is not None]
+    rewards = [v for s in samples if (v := reward_value(s.reward)) is not None]
     lengths = [s.response_length for s in samples]
     stale = [st for g in groups if (st := group_staleness(g, version)) is not None]
     n = max(1, len(samples))

@@ -55,3 +55,25 @@ def test_resize_wakes_waiters_and_cancelled_waiters_leak_nothing(vrun: Any) -> N
             lim.release()
 
     vrun(main())
+
+
+def test_higher_priority_waiters_are_served_first(vrun: Any) -> None:
+    lim = Limiter(1)
+    order: list[str] = []
+
+    async def job(name: str, priority: int) -> None:
+        async with lim.slot(priority):
+            order.append(name)
+            await asyncio.sleep(1)
+
+    async def main() -> None:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(job("first", 0))
+            await asyncio.sleep(0.1)
+            for i in range(3):
+                tg.create_task(job(f"rollout{i}", 0))
+            await asyncio.sleep(0.1)
+            tg.create_task(job("eval", 1))
+
+    vrun(main())
+    assert order == ["first", "eval", "rollout0", "rollout1", "rollout2"]

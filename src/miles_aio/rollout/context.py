@@ -33,15 +33,20 @@ class Tokenizer(Protocol):
 class LimitedEngine:
     """An InferenceEngine whose `generate` holds one limiter slot per call; admin calls pass through."""
 
-    def __init__(self, engine: InferenceEngine, limiter: Limiter) -> None:
+    def __init__(self, engine: InferenceEngine, limiter: Limiter, *, priority: int = 0) -> None:
         self.inner = engine
         self.limiter = limiter
+        self.priority = priority
         self.generated_tokens = 0
+
+    def with_priority(self, priority: int) -> LimitedEngine:
+        """The same engine and limiter, queuing in another priority class (eval: above rollout)."""
+        return LimitedEngine(self.inner, self.limiter, priority=priority)
 
     async def generate(
         self, *, input_ids: list[int], sampling_params: Mapping[str, Any], routing_key: Hashable | None = None
     ) -> GenerateOutput:
-        async with self.limiter:
+        async with self.limiter.slot(self.priority):
             out = await self.inner.generate(
                 input_ids=input_ids, sampling_params=sampling_params, routing_key=routing_key
             )

@@ -3,7 +3,8 @@
 asyncio.Semaphore cannot be resized and does not say who holds what; the pool needs both: the size
 is `--sglang-server-concurrency` × engines (adaptive concurrency will resize it at run time), and
 observability reports how many slots are borrowed and how many coroutines wait.
-Waiters are served in FIFO order; a cancelled waiter never leaks a slot.
+Waiters are served by priority class (higher first: eval requests before rollout ones), FIFO within a
+class; a cancelled waiter never leaks a slot.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class Limiter:
             raise ValueError(f"total_tokens must be >= 1, got {total_tokens}")
         self._total = total_tokens
         self._borrowed = 0
-        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._waiters: dict[int, collections.deque[asyncio.Future[None]]] = {}
 
     @property
     def total_tokens(self) -> int:
@@ -48,14 +49,17 @@ class Limiter:
         self._wake()
 
     def statistics(self) -> LimiterStats:
-        return LimiterStats(self._total, self._borrowed, sum(not w.done() for w in self._waiters))
+        waiting = sum(not w.done() for q in self._waiters.values() for w in q)
+        return LimiterStats(self._total, self._borrowed, waiting)
 
-    async def acquire(self) -> None:
-        if self._borrowed < self._total and not self._waiters:
+    async def acquire(self, priority: int = 0) -> None:
+        """Take a slot; waits behind every waiter of the same or a higher priority."""
+        if self._borrowed < self._total and not any(self._waiters.values()):
             self._borrowed += 1
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
+        queue = self._waiters.setdefault(priority, collections.deque())
+        queue.append(fut)
         try:
             await fut
         except asyncio.CancelledError:
@@ -64,8 +68,8 @@ class Limiter:
                 self.release()
             raise
         finally:
-            if fut in self._waiters:
-                self._waiters.remove(fut)
+            if fut in queue:
+                queue.remove(fut)
 
     def release(self) -> None:
         if self._borrowed <= 0:
@@ -74,11 +78,17 @@ class Limiter:
         self._wake()
 
     def _wake(self) -> None:
-        while self._waiters and self._borrowed < self._total:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                self._borrowed += 1
-                fut.set_result(None)
+        for priority in sorted(self._waiters, reverse=True):
+            queue = self._waiters[priority]
+            while queue and self._borrowed < self._total:
+                fut = queue.popleft()
+                if not fut.done():
+                    self._borrowed += 1
+                    fut.set_result(None)
+
+    def slot(self, priority: int) -> _Slot:
+        """`async with limiter.slot(priority):` — a slot of a given priority class."""
+        return _Slot(self, priority)
 
     async def __aenter__(self) -> None:
         await self.acquire()
@@ -87,3 +97,18 @@ class Limiter:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.release()
+
+
+@final
+class _Slot:
+    def __init__(self, limiter: Limiter, priority: int) -> None:
+        self._limiter = limiter
+        self._priority = priority
+
+    async def __aenter__(self) -> None:
+        await self._limiter.acquire(self._priority)
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._limiter.release()

@@ -1,0 +1,84 @@
+"""`EvalDispatcher`: when eval points run, on which weights, and when their metrics are logged.
+
+A point is due after the push that follows every `--eval-interval`-th step (and once on the initial
+weights unless `--skip-eval-before-train`). Its `eval/step` is the number of training steps behind the
+weights it evaluates. The point runs as a task in the controller's TaskGroup:
+  consumes: the current policy version (engines already stamped)
+  produces: eval/* metrics, logged with the first step record written after it finishes, with
+            `eval/lag_steps` = steps trained meanwhile
+  waits for: the engines (eval requests sit above rollout ones in the limiter)
+  blocks:   the next weight push, which waits for the point so that it sees one version
+            (`wait_before_push()`; the wait is `eval/push_wait_seconds` and `perf/eval_stall_seconds`)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Protocol
+
+import structlog
+
+__all__ = ["EvalDispatcher", "Evaluator"]
+
+log = structlog.get_logger("miles_aio.eval")
+
+
+class Evaluator(Protocol):
+    async def evaluate(self) -> dict[str, float]: ...
+
+
+class EvalDispatcher:
+    def __init__(self, evaluator: Evaluator, *, interval: int | None, before_train: bool = True) -> None:
+        self._evaluator = evaluator
+        self._interval = interval
+        self._before_train = before_train
+        self._task: asyncio.Task[dict[str, float]] | None = None
+        self._point: tuple[int, int] | None = None  # (eval step, version) of the point in flight
+        self._ready: dict[str, float] = {}
+        self.points = 0
+
+    def due(self, steps_done: int) -> bool:
+        if steps_done == 0:
+            return self._before_train
+        return self._interval is not None and steps_done % self._interval == 0
+
+    def dispatch(self, tg: asyncio.TaskGroup, *, steps_done: int, version: int) -> None:
+        """Start a point on the weights just pushed (call right after the push)."""
+        if self._task is not None:
+            raise RuntimeError("an eval point is still in flight; wait_before_push() first")
+        self._point = (steps_done, version)
+        self._task = tg.create_task(self._evaluator.evaluate(), name=f"eval-step-{steps_done}")
+
+    async def wait_before_push(self, *, steps_done: int) -> float:
+        """Let the point in flight finish on the current weights; returns the seconds waited."""
+        if self._task is None:
+            return 0.0
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        metrics = await self._task
+        waited = loop.time() - t0
+        assert self._point is not None
+        step, version = self._point
+        metrics.update(
+            {
+                "eval/step": float(step),
+                "eval/version": float(version),
+                "eval/lag_steps": float(steps_done - step),
+                "eval/push_wait_seconds": waited,
+            }
+        )
+        log.info(
+            "eval point",
+            step=step,
+            version=version,
+            **{k.split("/", 1)[1]: round(v, 4) for k, v in metrics.items() if "accuracy" in k},
+        )
+        self._ready = metrics
+        self._task, self._point = None, None
+        self.points += 1
+        return waited
+
+    def collect(self) -> dict[str, float]:
+        """Metrics of the last finished point, once (then empty until another finishes)."""
+        ready, self._ready = self._ready, {}
+        return ready
