@@ -24,15 +24,23 @@ failing task cancels the group and its error propagates out of `run()`.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import structlog
 
-from miles_aio.buffer import BufferItem, DataBuffer, DataBufferContext, FilterDecision
+from miles_aio.buffer import BufferItem, DataBuffer, DataBufferContext
+from miles_aio.buffer.fates import GroupFates, normalize_filter
+from miles_aio.checkpoint import (
+    ControllerState,
+    latest_checkpoint,
+    read_controller_state,
+    step_dir,
+    write_controller_state,
+)
 from miles_aio.config import RunConfig
 from miles_aio.data.source import DataSource
 from miles_aio.errors import BufferClosed, RolloutWorkerDied
@@ -48,7 +56,7 @@ from miles_aio.rollout.pool import RolloutPool
 from miles_aio.scheduler.policy import AdmissionLimits, DrainSchedule
 from miles_aio.scheduler.worker import RolloutWorker
 from miles_aio.trainer.base import Trainer
-from miles_aio.types import Group
+from miles_aio.types import Group, group_oldest_version
 
 __all__ = ["Controller", "RunSummary"]
 
@@ -89,6 +97,9 @@ class Controller:
         self.evals = evals
         self._write_files = write_files
         self._worker_error: BaseException | None = None
+        self.start_step = 0
+        self._carry: list[BufferItem] = []  # drained before a checkpoint, not yet trained: consumed first
+        self._next_drain: asyncio.Task[list[BufferItem]] | None = None
         run_dir = cfg.run_dir
         self.ledger = Ledger(
             run_dir / "ledger.jsonl" if write_files else None, dataset_size=source.dataset_size
@@ -103,9 +114,9 @@ class Controller:
         self.buffer: DataBuffer = plugins.buffer_cls(
             DataBufferContext(
                 config=cfg,
-                on_unused=self._on_unused,
-                on_filtered=self._on_filtered,
-                dynamic_filter=self._wrap_filter(plugins.dynamic_filter_fn),
+                on_unused=lambda item, why: self.fates.on_unused(item, why),
+                on_filtered=lambda item, why: self.fates.on_filtered(item, why),
+                dynamic_filter=normalize_filter(plugins.dynamic_filter_fn, self.ctx),
             )
         )
         self.pool = RolloutPool(
@@ -133,6 +144,13 @@ class Controller:
         self.accounting = StepAccounting(
             blocked_seconds=self.worker.blocked_seconds, generated_tokens=lambda: self.engine.generated_tokens
         )
+        self.fates = GroupFates(
+            handler=cfg.buffer.async_unused_samples_handler,
+            discard=self.worker.on_discarded,
+            ledger=self.ledger,
+            source=source,
+            accounting=self.accounting,
+        )
 
     # -- the run ---------------------------------------------------------------------------------------
     async def run(self) -> RunSummary:
@@ -140,8 +158,11 @@ class Controller:
         t0 = time.monotonic()
         try:
             async with asyncio.TaskGroup() as tg:
-                await self._push_weights(1)
-                if self.evals is not None and self.evals.due(0):
+                if self.cfg.driver.load is not None:
+                    await self._restore(self.cfg.driver.load)
+                # version 1 on a fresh run; a resumed run re-stamps the checkpoint weights with their version
+                await self._push_weights(self.version or 1)
+                if self.start_step == 0 and self.evals is not None and self.evals.due(0):
                     self.evals.dispatch(tg, steps_done=0, version=1)
                 worker = tg.create_task(self._supervise_worker(), name="rollout-worker")
                 try:
@@ -162,14 +183,14 @@ class Controller:
 
     async def _step_loop(self, tg: asyncio.TaskGroup, summary: RunSummary) -> None:
         cfg, loop = self.cfg.driver, asyncio.get_running_loop()
-        n = cfg.num_rollout
-        next_drain = tg.create_task(self._drain(0), name="drain-0") if n > 0 else None
-        for step in range(n):
+        n, first = cfg.num_rollout, self.start_step
+        self._next_drain = tg.create_task(self._drain(first), name=f"drain-{first}") if first < n else None
+        for step in range(first, n):
             t_step = loop.time()
-            assert next_drain is not None
-            batch = await next_drain
+            assert self._next_drain is not None
+            batch = await self._next_drain
             wait_data = loop.time() - t_step
-            next_drain = (
+            self._next_drain = (
                 tg.create_task(self._drain(step + 1), name=f"drain-{step + 1}") if step + 1 < n else None
             )
             groups = [it.group for it in batch]
@@ -181,9 +202,9 @@ class Controller:
             train_s = loop.time() - t_train
             sync_s, eval_s, done = 0.0, 0.0, step + 1
             if done % cfg.update_weights_interval == 0:
-                if next_drain is not None:
+                if self._next_drain is not None:
                     t_wait = loop.time()
-                    await next_drain  # a batch is drained under one version: finish it before the push
+                    await self._next_drain  # a batch is drained under one version: finish it before the push
                     wait_data += loop.time() - t_wait
                 eval_s += await self._wait_eval(done)  # an eval point sees one version too
                 t_sync = loop.time()
@@ -235,6 +256,10 @@ class Controller:
         """Take rollout_batch_size groups from the buffer for `step`, sorted by sample index."""
         need = self.cfg.rollout.rollout_batch_size
         batch: list[BufferItem] = []
+        while self._carry and len(batch) < need:  # restored from a checkpoint: drained, never trained
+            item = self._carry.pop(0)
+            self.worker.on_consumed(item.group_index)
+            batch.append(item)
         while len(batch) < need:
             self._raise_if_worker_died(step)
             try:
@@ -278,48 +303,52 @@ class Controller:
     async def save(self, step: int) -> None:
         """Trainer state plus everything the controller needs to resume without losing a group."""
         assert self.cfg.driver.save is not None
-        directory = self.cfg.driver.save / f"step_{step}"
+        # The batch for step+1 may be half-drained; finish it so that it is saved whole, as `carry`.
+        carry = list(await self._next_drain) if self._next_drain is not None else []
+        directory = step_dir(self.cfg.driver.save, step)
         await self.trainer.save(step, directory)
-        state = {
-            "step": step,
-            "version": self.version,
-            "data_source": self.source.state_dict(),
-            "buffer": self.buffer.state_dict(),
-            "pending_prompt_groups": [[s.to_dict() for s in g] for g in self.worker.pending_prompt_groups()],
-        }
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / "controller_state.json").write_text(json.dumps(state))
+        state = ControllerState(
+            step=step,
+            version=self.version or 0,
+            data_source=self.source.state_dict(),
+            buffer=self.buffer.state_dict(),
+            carry=carry,
+            in_flight=self.worker.pending_prompt_groups(),
+        )
+        write_controller_state(self.cfg.driver.save, state)
+        self.ledger.checkpoint(step)
         log.info("saved checkpoint", step=step, path=str(directory))
 
-    # -- buffer callbacks: each group's fate --------------------------------------------------------
-    def _on_unused(self, item: BufferItem, reason: str) -> None:
-        gid = item.group_index
-        self.worker.on_discarded(gid)
-        self.accounting.add_wasted(reason, item.group)
-        if self.cfg.buffer.async_unused_samples_handler == "retry":
-            self.ledger.record("recycled", gid, reason=reason)
-            self.source.recycle(item.prompt_group)
-        else:
-            self.ledger.record("dropped", gid, reason=reason)
-
-    def _on_filtered(self, item: BufferItem, reason: str) -> None:
-        self.worker.on_discarded(item.group_index)
-        self.accounting.add_wasted("filtered", item.group)
-        self.ledger.record("filtered", item.group_index, reason=reason)
-
-    def _wrap_filter(self, fn: Any | None) -> Callable[[Group], FilterDecision] | None:
-        if fn is None:
-            return None
-
-        def decide(group: Group) -> FilterDecision:
-            out = fn(self.ctx, group)
-            if isinstance(out, FilterDecision):
-                return out
-            if isinstance(out, tuple):
-                return FilterDecision(bool(out[0]), str(out[1]))
-            return FilterDecision(bool(out))
-
-        return decide
+    async def _restore(self, load: Path) -> None:
+        """Continue from a checkpoint: weights, data position, buffered, drained and in-flight groups."""
+        directory = latest_checkpoint(load)
+        state = read_controller_state(directory)
+        await self.trainer.load(directory)
+        self.source.load_state_dict(state.data_source)
+        self.buffer.load_state_dict(state.buffer)
+        self._carry = list(state.carry)
+        self.start_step, self.version = state.step + 1, state.version
+        self.worker.limits = replace(
+            self.worker.limits,
+            schedule=replace(
+                self.worker.limits.schedule, start_step=self.start_step, start_version=self.version
+            ),
+        )
+        restored = [*self._carry, *_buffered_items(state.buffer)]
+        for item in restored:
+            self.worker.state.on_restored(item.group_index, group_oldest_version(item.group) or self.version)
+        self.worker.resubmit(state.in_flight)
+        self.ledger.resume(
+            state.step, {it.group_index for it in restored} | {g[0].group_index for g in state.in_flight}
+        )
+        log.info(
+            "resumed",
+            from_step=state.step,
+            version=self.version,
+            path=str(directory),
+            carry=len(self._carry),
+            in_flight=len(state.in_flight),
+        )
 
 
 def _primary(exc: BaseException) -> BaseException:
@@ -328,6 +357,12 @@ def _primary(exc: BaseException) -> BaseException:
         inner = [e for e in exc.exceptions if not isinstance(e, asyncio.CancelledError)]
         exc = (inner or list(exc.exceptions))[0]
     return exc
+
+
+def _buffered_items(buffer_state: dict[str, Any]) -> list[BufferItem]:
+    """The groups inside a DefaultDataBuffer state (a custom buffer's state is opaque: none known)."""
+    items = buffer_state.get("items", [])
+    return [BufferItem.from_dict(d) for d in items] if isinstance(items, list) else []
 
 
 def _tokens(groups: list[Group]) -> int:

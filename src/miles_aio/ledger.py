@@ -2,11 +2,17 @@
 
 Fates: `admitted`; then exactly one of `trained` (with step), `filtered` (dynamic filter, with reason),
 `dropped` (unused handler `drop`, with reason), `recycled` (unused handler `retry`: the same group_id is
-admitted again later), `failed` (user code raised under a drop policy); or, when the run stops,
-`checkpointed_pending` / `pending_at_exit` for groups still in flight or buffered.
+admitted again later), `failed` (user code raised under a drop policy); or `pending_at_exit` for
+groups still in flight or buffered when the run stops.
 
-The file is append-only, so a resumed run continues the same ledger. `Ledger.open_groups()` and
-`check_conservation()` are what the tests use to prove nothing is lost or duplicated.
+Checkpoints and resume: a save writes a `{"event": "checkpoint", "step": s}` line followed by one
+`checkpointed_pending` line per open group (in flight, buffered, or drained but not yet trained). A
+resumed run writes `{"event": "resume", "from_step": s}`: everything after checkpoint s in the ledger
+is void (that progress was lost with the process, and the model was rolled back with it), the open
+groups are those pending at the checkpoint, and those that were in flight are `resubmitted`.
+
+The file is append-only, so a resumed run continues the same ledger. `check_conservation()` is what
+the tests use to prove that nothing is lost or duplicated, across kills and resumes.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ __all__ = ["Fate", "Ledger", "check_conservation", "read_ledger"]
 
 Fate = Literal[
     "admitted",
+    "resubmitted",
     "trained",
     "filtered",
     "dropped",
@@ -29,7 +36,6 @@ Fate = Literal[
     "pending_at_exit",
 ]
 TERMINAL: frozenset[str] = frozenset({"trained", "filtered", "dropped", "recycled", "failed"})
-PENDING_MARKS: frozenset[str] = frozenset({"checkpointed_pending", "pending_at_exit"})
 
 
 class Ledger:
@@ -51,24 +57,25 @@ class Ledger:
             if group_id in self._open:
                 raise RuntimeError(f"ledger: group {group_id} admitted while still open")
             self._open.add(group_id)
-        elif fate in TERMINAL:
+        elif fate in TERMINAL or fate == "pending_at_exit":
             if group_id not in self._open:
                 raise RuntimeError(f"ledger: group {group_id} settled as {fate!r} but is not open")
             self._open.discard(group_id)
+        elif group_id not in self._open:  # resubmitted, checkpointed_pending: informational, must be open
+            raise RuntimeError(f"ledger: group {group_id} marked {fate!r} but is not open")
         self.counts[fate] += 1
-        if self._file is not None:
-            epoch, prompt_index = divmod(group_id, self._dataset_size)
-            event: dict[str, Any] = {
-                "group_id": group_id,
-                "prompt_index": prompt_index,
-                "epoch": epoch,
-                "fate": fate,
-            }
-            if step is not None:
-                event["step"] = step
-            if reason is not None:
-                event["reason"] = reason
-            self._file.write(json.dumps(event) + "\n")
+        epoch, prompt_index = divmod(group_id, self._dataset_size)
+        event: dict[str, Any] = {
+            "group_id": group_id,
+            "prompt_index": prompt_index,
+            "epoch": epoch,
+            "fate": fate,
+        }
+        if step is not None:
+            event["step"] = step
+        if reason is not None:
+            event["reason"] = reason
+        self._write(event)
 
     def open_groups(self) -> frozenset[int]:
         return frozenset(self._open)
@@ -78,6 +85,21 @@ class Ledger:
     ) -> None:
         for gid in sorted(self._open):
             self.record(fate, gid, step=step)
+
+    def checkpoint(self, step: int) -> None:
+        """Mark a checkpoint: the open groups at this point are the ones a resume starts from."""
+        self._write({"event": "checkpoint", "step": step})
+        self.mark_pending("checkpointed_pending", step=step)
+        self.flush()
+
+    def resume(self, from_step: int, open_groups: set[int]) -> None:
+        """A resumed run starts here, with the groups pending at checkpoint `from_step` open."""
+        self._write({"event": "resume", "from_step": from_step})
+        self._open = set(open_groups)
+
+    def _write(self, event: dict[str, Any]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(event) + "\n")
 
     def flush(self) -> None:
         if self._file is not None:
@@ -94,34 +116,39 @@ def read_ledger(path: Path) -> list[dict[str, Any]]:
 
 
 def check_conservation(events: list[dict[str, Any]]) -> dict[str, int]:
-    """Raise AssertionError unless every admission has exactly one terminal fate or is marked pending.
+    """Raise AssertionError unless every admission has exactly one terminal fate or is pending at exit.
 
-    Returns the per-fate counts. Works across a resume: a group pending at a checkpoint may be admitted
-    again by the resumed run.
+    A `resume` event rolls the accounting back to its checkpoint (what happened after it was lost with
+    the killed process), so a group may be trained again after a resume, but never twice in one history.
+    Returns the per-fate counts.
     """
     open_: set[int] = set()
-    pending: set[int] = set()
-    trained_in_epoch: set[tuple[int, int]] = set()
+    trained: set[int] = set()
+    snapshots: dict[int, tuple[set[int], set[int]]] = {}
     counts: Counter[str] = Counter()
     for e in events:
+        if "event" in e:
+            if e["event"] == "checkpoint":
+                snapshots[int(e["step"])] = (set(open_), set(trained))
+            elif e["event"] == "resume":
+                step = int(e["from_step"])
+                assert step in snapshots, f"resume from step {step}, which has no checkpoint in the ledger"
+                open_, trained = set(snapshots[step][0]), set(snapshots[step][1])
+            continue
         gid, fate = int(e["group_id"]), e["fate"]
         counts[fate] += 1
         if fate == "admitted":
             assert gid not in open_, f"group {gid} admitted twice without a fate in between"
             open_.add(gid)
-            pending.discard(gid)
-        elif fate in TERMINAL:
+        elif fate in ("resubmitted", "checkpointed_pending"):
+            assert gid in open_, f"group {gid} {fate} but not open"
+        elif fate in TERMINAL or fate == "pending_at_exit":
             assert gid in open_, f"group {gid} got fate {fate!r} without being admitted"
             open_.discard(gid)
             if fate == "trained":
-                key = (gid, int(e["epoch"]))
-                assert key not in trained_in_epoch, f"group {gid} trained twice in epoch {e['epoch']}"
-                trained_in_epoch.add(key)
-        elif fate in PENDING_MARKS:
-            assert gid in open_, f"group {gid} marked {fate!r} without being open"
-            open_.discard(gid)
-            pending.add(gid)
+                assert gid not in trained, f"group {gid} (epoch {e['epoch']}) trained twice"
+                trained.add(gid)
         else:
             raise AssertionError(f"unknown fate {fate!r}")
-    assert not open_, f"groups admitted with no fate and not marked pending: {sorted(open_)[:10]}"
+    assert not open_, f"groups admitted with no fate and not pending at exit: {sorted(open_)[:10]}"
     return dict(counts)

@@ -144,6 +144,13 @@ class SchedulerState:
         self._admit_version[group_id] = v
         self._admit_versions[v] += 1
 
+    def on_restored(self, group_id: int, version: int) -> None:
+        """A finished group restored from a checkpoint (buffered or drained): unconsumed, holds no slot."""
+        if group_id in self._admit_version:
+            raise ValueError(f"group {group_id} restored twice")
+        self._admit_version[group_id] = version
+        self._admit_versions[version] += 1
+
     def on_sample_done(self, group_id: int, granularity: Literal["sample", "group"]) -> None:
         """One sample of the group finished (any status, or its task was cancelled)."""
         flight = self._flights[group_id]

@@ -56,6 +56,7 @@ class RolloutWorker:
         self._ledger = ledger
         self._changed = Notifier()
         self._pending: dict[int, Group] = {}  # admitted, not yet handed to the buffer: pristine copies
+        self._resubmit: list[Group] = []  # in flight at a checkpoint: admitted again first on resume
         # time the admission loop spent blocked, by reason (capacity, buffer_full, pacing, paused)
         self._blocked_s: defaultdict[str, float] = defaultdict(float)
         self._blocked_since: tuple[str, float] | None = None
@@ -73,10 +74,11 @@ class RolloutWorker:
                     finally:
                         self._blocked_s[reason.value] += loop.time() - self._blocked_since[1]
                         self._blocked_since = None
-                prompt_group = self._source.next_group()
+                resubmitted = bool(self._resubmit)
+                prompt_group = self._resubmit.pop(0) if resubmitted else self._source.next_group()
                 gid = prompt_group[0].group_index
                 self.state.on_admit(gid, len(prompt_group))
-                self._ledger.record("admitted", gid)
+                self._ledger.record("resubmitted" if resubmitted else "admitted", gid)
                 self._pending[gid] = copy.deepcopy(prompt_group)
                 tg.create_task(self._run_group(gid, prompt_group), name=f"rollout-group-{gid}")
 
@@ -119,6 +121,11 @@ class RolloutWorker:
 
     def resume(self) -> None:
         self.state.paused = False
+        self._changed.notify()
+
+    def resubmit(self, prompt_groups: list[Group]) -> None:
+        """Groups that were in flight at a checkpoint: admitted (again) before any other on resume."""
+        self._resubmit.extend(prompt_groups)
         self._changed.notify()
 
     def blocked_seconds(self, now: float) -> dict[str, float]:

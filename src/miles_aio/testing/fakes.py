@@ -153,6 +153,7 @@ class FakeTrainer:
         self.sync_time_s = sync_time_s
         self.steps: list[tuple[int, list[Group]]] = []
         self.synced_versions: list[int] = []
+        self.loaded_step: int | None = None
 
     async def train(self, step: int, batch: list[Group]) -> dict[str, float]:
         tokens = sum(s.response_length for g in batch for s in g)
@@ -167,6 +168,9 @@ class FakeTrainer:
     async def save(self, step: int, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - a fake: tiny, test-only write
         (directory / "fake_trainer.json").write_text(json.dumps({"step": step}))
+
+    async def load(self, directory: Path) -> None:
+        self.loaded_step = json.loads((directory / "fake_trainer.json").read_text())["step"]
 
     async def aclose(self) -> None:
         return None

@@ -1,0 +1,70 @@
+"""What happens to a group the buffer does not hand to the trainer: the buffer's callbacks.
+
+`GroupFates.on_unused` is `--async-unused-samples-handler`: aborted and stale groups are recycled
+(`retry`: the pristine prompt group is served again before fresh prompts, under the same group id) or
+dropped. `on_filtered` handles dynamic-filter rejects, which are always dropped (they carry no
+usable gradient signal; recycling them would just resample the same easy or hopeless prompt).
+Either way the scheduler stops counting the group, the ledger records its fate and its tokens are
+counted as wasted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+from miles_aio.buffer.base import FilterDecision
+from miles_aio.data.source import DataSource
+from miles_aio.ledger import Ledger
+from miles_aio.observability.accounting import StepAccounting
+from miles_aio.types import BufferItem, Group
+
+__all__ = ["GroupFates", "normalize_filter"]
+
+
+class GroupFates:
+    def __init__(
+        self,
+        *,
+        handler: Literal["retry", "drop"],
+        discard: Callable[[int], None],
+        ledger: Ledger,
+        source: DataSource,
+        accounting: StepAccounting,
+    ) -> None:
+        self._handler = handler
+        self._discard = discard
+        self._ledger = ledger
+        self._source = source
+        self._accounting = accounting
+
+    def on_unused(self, item: BufferItem, reason: str) -> None:
+        gid = item.group_index
+        self._discard(gid)
+        self._accounting.add_wasted(reason, item.group)
+        if self._handler == "retry":
+            self._ledger.record("recycled", gid, reason=reason)
+            self._source.recycle(item.prompt_group)
+        else:
+            self._ledger.record("dropped", gid, reason=reason)
+
+    def on_filtered(self, item: BufferItem, reason: str) -> None:
+        self._discard(item.group_index)
+        self._accounting.add_wasted("filtered", item.group)
+        self._ledger.record("filtered", item.group_index, reason=reason)
+
+
+def normalize_filter(fn: Any | None, ctx: Any) -> Callable[[Group], FilterDecision] | None:
+    """A user's `fn(ctx, group) -> bool | (keep, reason) | FilterDecision` as `group -> FilterDecision`."""
+    if fn is None:
+        return None
+
+    def decide(group: Group) -> FilterDecision:
+        out = fn(ctx, group)
+        if isinstance(out, FilterDecision):
+            return out
+        if isinstance(out, tuple):
+            return FilterDecision(bool(out[0]), str(out[1]))
+        return FilterDecision(bool(out))
+
+    return decide
