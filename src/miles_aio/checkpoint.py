@@ -19,7 +19,14 @@ from typing import Any
 
 from miles_aio.types import BufferItem, Group, Sample
 
-__all__ = ["ControllerState", "latest_checkpoint", "read_controller_state", "write_controller_state"]
+__all__ = [
+    "ControllerState",
+    "buffered_items",
+    "latest_checkpoint",
+    "read_controller_state",
+    "step_dir",
+    "write_controller_state",
+]
 
 STATE_FILE = "controller_state.json"
 
@@ -78,3 +85,9 @@ def read_controller_state(directory: Path) -> ControllerState:
         carry=[BufferItem.from_dict(d) for d in doc["carry"]],
         in_flight=[[Sample.from_dict(s) for s in g] for g in doc["in_flight"]],
     )
+
+
+def buffered_items(buffer_state: dict[str, Any]) -> list[BufferItem]:
+    """The groups inside a DefaultDataBuffer state (a custom buffer's state is opaque: none known)."""
+    items = buffer_state.get("items", [])
+    return [BufferItem.from_dict(d) for d in items] if isinstance(items, list) else []

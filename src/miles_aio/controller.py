@@ -15,20 +15,20 @@ Tasks (all owned by `run()`'s TaskGroup):
                   for the drain of step s+1 to finish, so a batch is drained at a single version.
   the body        the step loop: trains, pushes weights, saves, evaluates, logs metrics.
 
-Shutdown (healthy): after the last step the worker is cancelled; in-flight groups are cancelled and
-recorded `pending_at_exit` in the ledger, the buffer is closed. Shutdown (crash): an exception in the
-worker is kept, the buffer is closed, and the next drain raises `RolloutWorkerDied` from it; any other
-failing task cancels the group and its error propagates out of `run()`.
+Shutdown (healthy): after the last step the worker is cancelled; in-flight groups are recorded
+`pending_at_exit` in the ledger. Stop (`request_stop()`, on SIGINT/SIGTERM): the step in progress
+finishes (a wait for data ends at once), a checkpoint with every pending group is saved, then as
+healthy. Crash: a worker exception is kept, the buffer closed, and the next drain raises
+`RolloutWorkerDied` from it; any other failing task cancels the group and its error propagates.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 import structlog
 
@@ -36,18 +36,20 @@ from miles_aio.buffer import BufferItem, DataBuffer, DataBufferContext
 from miles_aio.buffer.fates import GroupFates, normalize_filter
 from miles_aio.checkpoint import (
     ControllerState,
+    buffered_items,
     latest_checkpoint,
     read_controller_state,
     step_dir,
     write_controller_state,
 )
 from miles_aio.config import RunConfig
-from miles_aio.data.source import DataSource
-from miles_aio.errors import BufferClosed, RolloutWorkerDied
+from miles_aio.data.source import DataSource, PromptRecord
+from miles_aio.errors import BufferClosed, RolloutWorkerDied, primary_error
 from miles_aio.eval.dispatcher import EvalDispatcher
+from miles_aio.eval.shared import EVAL_PRIORITY, SharedEngineEval
 from miles_aio.inference.base import InferenceEngine
 from miles_aio.ledger import Ledger
-from miles_aio.metrics import JsonlSink, MetricsSink, rollout_batch_metrics
+from miles_aio.metrics import JsonlSink, MetricsSink, brief, rollout_batch_metrics
 from miles_aio.observability.accounting import StepAccounting, StepTimes
 from miles_aio.plugins import Plugins
 from miles_aio.rollout.context import LimitedEngine, RolloutContext, Tokenizer
@@ -56,7 +58,7 @@ from miles_aio.rollout.pool import RolloutPool
 from miles_aio.scheduler.policy import AdmissionLimits, DrainSchedule
 from miles_aio.scheduler.worker import RolloutWorker
 from miles_aio.trainer.base import Trainer
-from miles_aio.types import Group, group_oldest_version
+from miles_aio.types import Group
 
 __all__ = ["Controller", "RunSummary"]
 
@@ -87,6 +89,7 @@ class Controller:
         tokenizer: Tokenizer | None = None,
         num_engines: int = 1,
         sinks: Sequence[MetricsSink] = (),
+        eval_datasets: Mapping[str, Sequence[PromptRecord]] | None = None,
         evals: EvalDispatcher | None = None,
         write_files: bool = True,
     ) -> None:
@@ -94,12 +97,15 @@ class Controller:
         self.trainer = trainer
         self.source = source
         self.version: int | None = None
-        self.evals = evals
         self._write_files = write_files
         self._worker_error: BaseException | None = None
         self.start_step = 0
+        self.stopped = False
+        self._weights_ahead = False
         self._carry: list[BufferItem] = []  # drained before a checkpoint, not yet trained: consumed first
         self._next_drain: asyncio.Task[list[BufferItem]] | None = None
+        self._draining: list[BufferItem] = []  # groups the current drain has taken so far
+        self._stop = asyncio.Event()
         run_dir = cfg.run_dir
         self.ledger = Ledger(
             run_dir / "ledger.jsonl" if write_files else None, dataset_size=source.dataset_size
@@ -144,6 +150,21 @@ class Controller:
         self.accounting = StepAccounting(
             blocked_seconds=self.worker.blocked_seconds, generated_tokens=lambda: self.engine.generated_tokens
         )
+        if evals is None and eval_datasets:
+            evals = EvalDispatcher(
+                SharedEngineEval(
+                    ctx=replace(self.ctx, engine=self.engine.with_priority(EVAL_PRIORITY)),
+                    datasets=eval_datasets,
+                    generate_fn=plugins.generate_fn,
+                    reward_fn=plugins.reward_fn,
+                    n_samples_per_prompt=cfg.eval.n_samples_per_eval_prompt,
+                    max_response_len=cfg.eval.eval_max_response_len,
+                    temperature=cfg.eval.eval_temperature,
+                ),
+                interval=cfg.driver.eval_interval,
+                before_train=not cfg.eval.skip_eval_before_train,
+            )
+        self.evals = evals
         self.fates = GroupFates(
             handler=cfg.buffer.async_unused_samples_handler,
             discard=self.worker.on_discarded,
@@ -170,7 +191,7 @@ class Controller:
                 finally:
                     worker.cancel()
         except BaseExceptionGroup as eg:
-            raise _primary(eg)  # noqa: B904 - keep the primary error's own cause chain
+            raise primary_error(eg)  # noqa: B904 - keep the primary error's own cause chain
         finally:
             self.ledger.mark_pending("pending_at_exit", step=summary.steps)
             self.ledger.close()
@@ -188,7 +209,10 @@ class Controller:
         for step in range(first, n):
             t_step = loop.time()
             assert self._next_drain is not None
-            batch = await self._next_drain
+            if not await self._await_drain(self._next_drain):
+                await self._stop_now(step - 1)
+                return
+            batch = self._next_drain.result()
             wait_data = loop.time() - t_step
             self._next_drain = (
                 tg.create_task(self._drain(step + 1), name=f"drain-{step + 1}") if step + 1 < n else None
@@ -197,6 +221,7 @@ class Controller:
             metrics = rollout_batch_metrics(groups, version=self.version)
             t_train = loop.time()
             metrics.update(await self.trainer.train(step, groups))
+            self._weights_ahead = True  # trained weights not pushed yet: a checkpoint now is one version on
             for item in batch:
                 self.ledger.record("trained", item.group_index, step=step)
             train_s = loop.time() - t_train
@@ -204,7 +229,9 @@ class Controller:
             if done % cfg.update_weights_interval == 0:
                 if self._next_drain is not None:
                     t_wait = loop.time()
-                    await self._next_drain  # a batch is drained under one version: finish it before the push
+                    if not await self._await_drain(self._next_drain):  # one version per batch: drain first
+                        await self._stop_now(step)
+                        return
                     wait_data += loop.time() - t_wait
                 eval_s += await self._wait_eval(done)  # an eval point sees one version too
                 t_sync = loop.time()
@@ -237,7 +264,33 @@ class Controller:
             summary.steps = step + 1
             summary.step_times_s.append(times.step_s)
             summary.last_metrics = metrics
-            log.info("step", step=step, version=self.version, **_brief(metrics))
+            log.info("step", step=step, version=self.version, **brief(metrics))
+            if self._stop.is_set() and done < n:
+                await self._stop_now(step)
+                return
+
+    def request_stop(self) -> None:
+        """Finish the current step, save a checkpoint (with --save), and return (SIGINT/SIGTERM)."""
+        log.warning("stop requested: finishing the current step")
+        self._stop.set()
+        if self._next_drain is not None:
+            self._next_drain.cancel()  # waiting for data ends now; what it drained is kept for the save
+
+    async def _await_drain(self, drain: asyncio.Task[list[BufferItem]]) -> bool:
+        """Wait for a drain; False if `request_stop()` cancelled it (its groups stay in `_draining`)."""
+        try:
+            await drain
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._stop.is_set() and drain.cancelled() and task is not None and not task.cancelling():
+                return False
+            raise
+        return True
+
+    async def _stop_now(self, last_step: int) -> None:
+        self.stopped = True
+        if self.cfg.driver.save is not None and last_step >= 0:
+            await self.save(last_step)
 
     async def _wait_eval(self, steps_done: int) -> float:
         return 0.0 if self.evals is None else await self.evals.wait_before_push(steps_done=steps_done)
@@ -247,7 +300,7 @@ class Controller:
         try:
             await self.worker.run()
         except Exception as e:
-            self._worker_error = _primary(e) if isinstance(e, BaseExceptionGroup) else e
+            self._worker_error = primary_error(e) if isinstance(e, BaseExceptionGroup) else e
             log.error("rollout worker died", error=repr(self._worker_error))
         finally:
             self.buffer.close()
@@ -255,7 +308,7 @@ class Controller:
     async def _drain(self, step: int) -> list[BufferItem]:
         """Take rollout_batch_size groups from the buffer for `step`, sorted by sample index."""
         need = self.cfg.rollout.rollout_batch_size
-        batch: list[BufferItem] = []
+        batch = self._draining  # kept on self: a stop that cancels this drain saves what it holds
         while self._carry and len(batch) < need:  # restored from a checkpoint: drained, never trained
             item = self._carry.pop(0)
             self.worker.on_consumed(item.group_index)
@@ -279,8 +332,8 @@ class Controller:
                 raise
             self.worker.on_consumed(item.group_index)
             batch.append(item)
-        batch.sort(key=lambda it: min(s.index for s in it.group))
-        return batch
+        self._draining = []
+        return sorted(batch, key=lambda it: min(s.index for s in it.group))
 
     def _raise_if_worker_died(self, step: int) -> None:
         if self._worker_error is not None:
@@ -297,19 +350,24 @@ class Controller:
         await self.trainer.sync_weights(self.engine.inner, version=version)
         await self.engine.update_weight_version(version)
         await self.engine.continue_generation()
+        self._weights_ahead = False
         self.version = version
         self.worker.publish_version(version)
 
     async def save(self, step: int) -> None:
         """Trainer state plus everything the controller needs to resume without losing a group."""
         assert self.cfg.driver.save is not None
-        # The batch for step+1 may be half-drained; finish it so that it is saved whole, as `carry`.
-        carry = list(await self._next_drain) if self._next_drain is not None else []
+        # The batch for step+1 may be half-drained: finish it so that it is saved whole, as `carry`
+        # (unless stopping: then whatever the cancelled drain had taken is the carry).
+        drain = self._next_drain
+        if drain is not None and (drain.cancelled() or not await self._await_drain(drain)):
+            drain = None
+        carry = list(drain.result()) if drain is not None else list(self._draining)
         directory = step_dir(self.cfg.driver.save, step)
         await self.trainer.save(step, directory)
         state = ControllerState(
             step=step,
-            version=self.version or 0,
+            version=(self.version or 0) + int(self._weights_ahead),
             data_source=self.source.state_dict(),
             buffer=self.buffer.state_dict(),
             carry=carry,
@@ -328,52 +386,15 @@ class Controller:
         self.buffer.load_state_dict(state.buffer)
         self._carry = list(state.carry)
         self.start_step, self.version = state.step + 1, state.version
-        self.worker.limits = replace(
-            self.worker.limits,
-            schedule=replace(
-                self.worker.limits.schedule, start_step=self.start_step, start_version=self.version
-            ),
-        )
-        restored = [*self._carry, *_buffered_items(state.buffer)]
-        for item in restored:
-            self.worker.state.on_restored(item.group_index, group_oldest_version(item.group) or self.version)
-        self.worker.resubmit(state.in_flight)
+        restored = [*self._carry, *buffered_items(state.buffer)]
+        self.worker.restore(restored, state.in_flight, start_step=self.start_step, version=self.version)
         self.ledger.resume(
             state.step, {it.group_index for it in restored} | {g[0].group_index for g in state.in_flight}
         )
         log.info(
-            "resumed",
-            from_step=state.step,
-            version=self.version,
-            path=str(directory),
-            carry=len(self._carry),
-            in_flight=len(state.in_flight),
+            "resumed", from_step=state.step, version=self.version, carry=len(self._carry), path=str(directory)
         )
-
-
-def _primary(exc: BaseException) -> BaseException:
-    """The first real error inside (nested) exception groups, for a readable traceback."""
-    while isinstance(exc, BaseExceptionGroup):
-        inner = [e for e in exc.exceptions if not isinstance(e, asyncio.CancelledError)]
-        exc = (inner or list(exc.exceptions))[0]
-    return exc
-
-
-def _buffered_items(buffer_state: dict[str, Any]) -> list[BufferItem]:
-    """The groups inside a DefaultDataBuffer state (a custom buffer's state is opaque: none known)."""
-    items = buffer_state.get("items", [])
-    return [BufferItem.from_dict(d) for d in items] if isinstance(items, list) else []
 
 
 def _tokens(groups: list[Group]) -> int:
     return sum(s.response_length for g in groups for s in g)
-
-
-def _brief(metrics: dict[str, float]) -> dict[str, float]:
-    keys = (
-        "rollout/reward",
-        "rollout/fully_async/avg_staleness",
-        "perf/step_time_s",
-        "rollout/fully_async/queue_size",
-    )
-    return {k.rsplit("/", 1)[-1]: round(metrics[k], 4) for k in keys if k in metrics}

@@ -23,6 +23,7 @@ __all__ = [
     "MilesAioError",
     "PluginError",
     "RolloutWorkerDied",
+    "primary_error",
 ]
 
 
@@ -60,3 +61,13 @@ class EngineUnavailable(EngineError):
 
 class EngineBadResponse(EngineError):
     """The engine's answer broke the /generate contract (bad JSON, missing fields, length mismatch)."""
+
+
+def primary_error(exc: BaseException) -> BaseException:
+    """The first real error inside (nested) exception groups, for a readable traceback."""
+    import asyncio
+
+    while isinstance(exc, BaseExceptionGroup):
+        inner = [e for e in exc.exceptions if not isinstance(e, asyncio.CancelledError)]
+        exc = (inner or list(exc.exceptions))[0]
+    return exc

@@ -10,7 +10,14 @@ from typing import IO, Protocol
 
 from miles_aio.types import Group, Sample, Status, group_staleness
 
-__all__ = ["JsonlSink", "MetricsSink", "reward_value", "rollout_batch_metrics", "token_staleness_histogram"]
+__all__ = [
+    "JsonlSink",
+    "MetricsSink",
+    "brief",
+    "reward_value",
+    "rollout_batch_metrics",
+    "token_staleness_histogram",
+]
 
 
 class MetricsSink(Protocol):
@@ -83,3 +90,14 @@ def rollout_batch_metrics(batch: Iterable[Group], *, version: int | None) -> dic
         "rollout/train_staleness_mean": sum(stale) / len(stale) if stale else 0.0,
         "rollout/train_staleness_max": float(max(stale, default=0)),
     }
+
+
+def brief(metrics: dict[str, float]) -> dict[str, float]:
+    """The few numbers worth a log line per step."""
+    keys = (
+        "rollout/reward",
+        "rollout/fully_async/avg_staleness",
+        "perf/step_time_s",
+        "rollout/fully_async/queue_size",
+    )
+    return {k.rsplit("/", 1)[-1]: round(metrics[k], 4) for k in keys if k in metrics}

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import datetime as dt
 import json
+import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -59,6 +60,10 @@ class Recipe:
     """Recipe-specific flags (they show in --help with the rest)."""
     prompts: Callable[[RunConfig, argparse.Namespace], list[PromptRecord]] | None = None
     """Built-in prompt data, used when --prompt-data is not given."""
+    prepare: Callable[[RunConfig, argparse.Namespace], None] | None = None
+    """Synchronous set-up before the event loop starts (e.g. building a model); not run by --dry-run."""
+    eval_prompts: Callable[[RunConfig, argparse.Namespace], dict[str, list[PromptRecord]]] | None = None
+    """Built-in eval datasets, used when --eval-prompt-data is not given."""
     plan: Callable[[RunConfig, argparse.Namespace], dict[str, Any]] | None = None
     """Extra lines for the --dry-run plan (processes, engines, devices)."""
 
@@ -84,6 +89,14 @@ def load_records(cfg: RunConfig, recipe: Recipe, ns: argparse.Namespace) -> list
     if recipe.prompts is None:
         raise ConfigError("this recipe has no built-in prompts; give a JSONL file", flags=["--prompt-data"])
     return recipe.prompts(cfg, ns)
+
+
+def load_eval_datasets(
+    cfg: RunConfig, recipe: Recipe, ns: argparse.Namespace
+) -> dict[str, list[PromptRecord]]:
+    if cfg.eval.datasets:
+        return {name: read_prompt_jsonl(path, cfg.data) for name, path in cfg.eval.datasets.items()}
+    return recipe.eval_prompts(cfg, ns) if recipe.eval_prompts is not None else {}
 
 
 def describe_plan(cfg: RunConfig, recipe: Recipe, ns: argparse.Namespace, n_prompts: int) -> dict[str, Any]:
@@ -125,17 +138,30 @@ def main(recipe: Recipe, argv: Sequence[str] | None = None) -> RunSummary | None
         cfg = config_from_namespace(ns, run_dir=run_dir)
         plugins = resolve_plugins(cfg)
         records = load_records(cfg, recipe, ns)
+        eval_datasets = load_eval_datasets(cfg, recipe, ns)
     except ConfigError as e:
         config_error_exit(parser, e)
     configure_logging(ns.log_format, ns.log_level)
     if ns.dry_run:
-        sys.stdout.write(json.dumps(describe_plan(cfg, recipe, ns, len(records)), indent=2) + "\n")
+        plan = describe_plan(cfg, recipe, ns, len(records))
+        plan["eval"] = {name: len(recs) for name, recs in eval_datasets.items()} | {
+            "interval": cfg.driver.eval_interval
+        }
+        sys.stdout.write(json.dumps(plan, indent=2) + "\n")
         return None
-    return asyncio.run(_run(recipe, cfg, ns, plugins, records))
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    if recipe.prepare is not None:
+        recipe.prepare(cfg, ns)
+    return asyncio.run(_run(recipe, cfg, ns, plugins, records, eval_datasets))
 
 
 async def _run(
-    recipe: Recipe, cfg: RunConfig, ns: argparse.Namespace, plugins: Plugins, records: list[PromptRecord]
+    recipe: Recipe,
+    cfg: RunConfig,
+    ns: argparse.Namespace,
+    plugins: Plugins,
+    records: list[PromptRecord],
+    eval_datasets: dict[str, list[PromptRecord]],
 ) -> RunSummary:
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     source = DataSource(
@@ -154,8 +180,14 @@ async def _run(
             tokenizer=parts.tokenizer,
             num_engines=parts.num_engines,
             sinks=[ProgressSink(cfg.driver.num_rollout)],
+            eval_datasets=eval_datasets,
         )
-        summary = await controller.run()
+        signals = _stop_on_signals(controller)
+        try:
+            summary = await controller.run()
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                asyncio.get_running_loop().remove_signal_handler(sig)
     pngs = plot_run(cfg.run_dir)
     log.info(
         "run finished",
@@ -166,4 +198,23 @@ async def _run(
         ledger=summary.ledger_counts,
         plots=[p.name for p in pngs],
     )
+    if controller.stopped and signals:
+        raise SystemExit(128 + signals[0])  # stopped by a signal: checkpoint saved, children gone
     return summary
+
+
+def _stop_on_signals(controller: Controller) -> list[int]:
+    """SIGINT/SIGTERM: the first asks the controller to stop after its step (saving a checkpoint),
+    a second cancels the run at once. Returns the list the handler records signal numbers in."""
+    loop, task, received = asyncio.get_running_loop(), asyncio.current_task(), []
+
+    def handle(signum: int) -> None:
+        received.append(signum)
+        if len(received) == 1:
+            controller.request_stop()
+        elif task is not None:
+            task.cancel()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, handle, int(sig))
+    return received

@@ -94,3 +94,30 @@ def test_check_conservation_catches_a_duplicate_and_a_lost_group() -> None:
         check_conservation([*ok, {"group_id": 2, "epoch": 0, "fate": "admitted"}])
     with pytest.raises(AssertionError, match="no checkpoint"):
         check_conservation([*ok, {"event": "resume", "from_step": 3}])
+
+
+@pytest.mark.parametrize("stop_at_s", [3.3, 6.05, 9.7])
+def test_stop_saves_every_pending_group_and_resume_continues(
+    vrun: Any, tmp_path: Path, stop_at_s: float
+) -> None:
+    first = FakeTrainer(step_time_s=1.0)
+    ctl = controller(tmp_path, first, max_admission_staleness=1)
+
+    async def stopped() -> None:
+        async with asyncio.TaskGroup() as tg:
+            run = tg.create_task(ctl.run())
+            await asyncio.sleep(stop_at_s)
+            ctl.request_stop()
+            summary = await run
+        assert ctl.stopped and summary.steps < 10
+
+    vrun(stopped())
+    saved = int((tmp_path / "ckpt" / "latest").read_text())
+    assert saved == len(first.steps) - 1  # the stop saved right after the last trained step
+    second = FakeTrainer(step_time_s=1.0)
+    vrun(controller(tmp_path, second, load=tmp_path / "ckpt", max_admission_staleness=1).run())
+    kept = [g[0].group_index for _, b in first.steps for g in b] + [
+        g[0].group_index for _, b in second.steps for g in b
+    ]
+    assert len(kept) == len(set(kept)) == 20
+    check_conservation(read_ledger(tmp_path / "run" / "ledger.jsonl"))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import copy
 from collections import defaultdict
+from dataclasses import replace
 from typing import NoReturn
 
 import structlog
@@ -30,7 +31,7 @@ from miles_aio.data.source import DataSource
 from miles_aio.ledger import Ledger
 from miles_aio.rollout.pool import RolloutPool
 from miles_aio.scheduler.policy import AdmissionLimits, SchedulerState, decide_admission
-from miles_aio.types import BufferItem, Group
+from miles_aio.types import BufferItem, Group, group_oldest_version
 
 __all__ = ["RolloutWorker"]
 
@@ -123,9 +124,16 @@ class RolloutWorker:
         self.state.paused = False
         self._changed.notify()
 
-    def resubmit(self, prompt_groups: list[Group]) -> None:
-        """Groups that were in flight at a checkpoint: admitted (again) before any other on resume."""
-        self._resubmit.extend(prompt_groups)
+    def restore(
+        self, finished: list[BufferItem], in_flight: list[Group], *, start_step: int, version: int
+    ) -> None:
+        """Resume from a checkpoint: pace from its step and version, count its finished (buffered or
+        drained) groups as unconsumed, and admit the groups it had in flight again before any other."""
+        schedule = replace(self.limits.schedule, start_step=start_step, start_version=version)
+        self.limits = replace(self.limits, schedule=schedule)
+        for item in finished:
+            self.state.on_restored(item.group_index, group_oldest_version(item.group) or version)
+        self._resubmit.extend(in_flight)
         self._changed.notify()
 
     def blocked_seconds(self, now: float) -> dict[str, float]:
