@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,17 @@ import structlog
 
 from miles_aio.types import Sample
 
-__all__ = ["ALPHABET", "Problem", "answer_reward", "make_splits", "warm_start", "write_jsonl"]
+__all__ = [
+    "ALPHABET",
+    "Problem",
+    "Segment",
+    "answer_reward",
+    "greedy_solve",
+    "make_splits",
+    "sft_batch",
+    "warm_start",
+    "write_jsonl",
+]
 
 ALPHABET = "0123456789+="
 log = structlog.get_logger("miles_aio.tasks.arithmetic")
@@ -72,10 +82,21 @@ async def answer_reward(ctx: Any, sample: Sample) -> float:
     return float(parse_answer(sample.response) == str(sample.label))
 
 
+Segment = tuple[str, bool]
+"""A piece of a supervised example: its text, and whether the loss is taken on it."""
+
+
+def direct_render(p: Problem) -> list[Segment]:
+    return [(p.prompt, False), (p.answer, True)]
+
+
 def warm_start(
     out_dir: Path,
     train: Sequence[Problem],
     *,
+    alphabet: str = ALPHABET,
+    render: Callable[[Problem], list[Segment]] = direct_render,
+    solve: Callable[[Any, Any, Sequence[Problem]], list[str]] | None = None,
     target_accuracy: float = 0.2,
     max_steps: int = 2000,
     batch_size: int = 128,
@@ -84,10 +105,11 @@ def warm_start(
     probe_size: int = 200,
     check_every: int = 50,
 ) -> dict[str, float]:
-    """Build the tiny model and fine-tune it until greedy accuracy on a train probe reaches the target.
+    """Build the tiny model and fine-tune it until its accuracy on a train probe reaches the target.
 
-    Writes an HF checkpoint to `out_dir` (loadable by transformers, the embedded engine and SGLang) and
-    returns what happened: steps, seconds, probe accuracy.
+    `render` turns a problem into a supervised example (EOS is appended), `solve` answers problems with
+    the model (default: greedy decoding). Writes an HF checkpoint to `out_dir` (loadable by transformers,
+    the embedded engine and SGLang) and returns what happened: steps, seconds, probe accuracy.
     """
     import torch
 
@@ -96,7 +118,7 @@ def warm_start(
     torch.manual_seed(seed)
     build_tiny_llama(
         out_dir,
-        alphabet=ALPHABET,
+        alphabet=alphabet,
         hidden_size=128,
         num_layers=2,
         num_heads=4,
@@ -109,44 +131,56 @@ def warm_start(
 
     tok = load_tokenizer(out_dir)
     model = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
-    eos = int(tok.eos_token_id)
+    solve = solve or greedy_solve
     rng = random.Random(seed)
     probe = rng.sample(list(train), min(probe_size, len(train)))
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     t0, acc, step = time.monotonic(), 0.0, 0
-    model.train()
     for step in range(1, max_steps + 1):
-        batch = rng.sample(list(train), batch_size)
-        ids, labels = _sft_batch(tok, batch, eos)
+        model.train()
+        ids, labels = sft_batch(tok, [render(p) for p in rng.sample(list(train), batch_size)])
         loss = model(input_ids=ids, labels=labels).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
         if step % check_every == 0:
-            acc = greedy_accuracy(model, tok, probe, eos)
-            log.info("warm start", step=step, loss=round(float(loss), 4), probe_accuracy=acc)
+            model.train(False)
+            acc = accuracy(solve(model, tok, probe), probe)
+            log.info("warm start", step=step, loss=round(loss.item(), 4), probe_accuracy=acc)
             if acc >= target_accuracy:
                 break
     model.save_pretrained(out_dir, safe_serialization=True)
     return {"steps": float(step), "seconds": time.monotonic() - t0, "probe_accuracy": acc}
 
 
-def _sft_batch(tok: Any, batch: Sequence[Problem], eos: int) -> tuple[Any, Any]:
+def accuracy(answers: Sequence[str], problems: Sequence[Problem]) -> float:
+    return sum(parse_answer(a) == p.answer for a, p in zip(answers, problems, strict=True)) / len(problems)
+
+
+def sft_batch(tok: Any, examples: Sequence[list[Segment]]) -> tuple[Any, Any]:
+    """Token ids and labels (-100 where no loss is taken), right-padded; EOS ends every example."""
     import torch
 
-    rows = [(tok.encode(p.prompt), [*tok.encode(p.answer), eos]) for p in batch]
-    width = max(len(q) + len(a) for q, a in rows)
-    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    rows = []
+    for segments in examples:
+        ids: list[int] = []
+        trained: list[bool] = []
+        for text, train_on in segments:
+            piece = tok.encode(text)
+            ids += piece
+            trained += [train_on] * len(piece)
+        rows.append(([*ids, tok.eos_token_id], [*trained, True]))
+    width = max(len(ids) for ids, _ in rows)
+    ids_t = torch.zeros((len(rows), width), dtype=torch.long)
     labels = torch.full((len(rows), width), -100, dtype=torch.long)
-    for i, (q, a) in enumerate(rows):
-        seq = q + a
-        ids[i, : len(seq)] = torch.tensor(seq)
-        labels[i, len(q) : len(seq)] = torch.tensor(a)  # learn the answer only
-    return ids, labels
+    for i, (ids, trained) in enumerate(rows):
+        ids_t[i, : len(ids)] = torch.tensor(ids)
+        labels[i, : len(ids)] = torch.tensor([t if m else -100 for t, m in zip(ids, trained, strict=True)])
+    return ids_t, labels
 
 
-def greedy_accuracy(model: Any, tok: Any, problems: Sequence[Problem], eos: int, max_new: int = 4) -> float:
-    """Exact-match accuracy of greedy decoding (full recompute; all prompts have the same length)."""
+def greedy_solve(model: Any, tok: Any, problems: Sequence[Problem], max_new: int = 4) -> list[str]:
+    """Greedy answers (full recompute; the prompts of two-digit problems all have the same length)."""
     import torch
 
     with torch.no_grad():
@@ -155,8 +189,10 @@ def greedy_accuracy(model: Any, tok: Any, problems: Sequence[Problem], eos: int,
         for _ in range(max_new):
             nxt = model(input_ids=out).logits[:, -1].argmax(-1, keepdim=True)
             out = torch.cat([out, nxt], dim=1)
-    correct = 0
-    for p, row in zip(problems, out[:, ids.shape[1] :].tolist(), strict=True):
-        answer = row[: row.index(eos)] if eos in row else row
-        correct += tok.decode(answer) == p.answer
-    return correct / len(problems)
+    eos = tok.eos_token_id
+    rows = [row[: row.index(eos)] if eos in row else row for row in out[:, ids.shape[1] :].tolist()]
+    return [tok.decode(r) for r in rows]
+
+
+def greedy_accuracy(model: Any, tok: Any, problems: Sequence[Problem]) -> float:
+    return accuracy(greedy_solve(model, tok, problems), problems)
