@@ -1,0 +1,458 @@
+"""`SGLangClient`: the controller's HTTP handle on ONE SGLang-API server (real SGLang or the embedded engine).
+
+It speaks SGLang's native endpoints and field names (`sglang/srt/entrypoints/http_server.py`, `io_struct.py`,
+`sglang/api/v1/api_types.py`) and turns every answer into a validated `GenerateOutput` or an `EngineError`,
+never a half-built output: HTTP 5xx, refused/reset connections and timeouts raise `EngineUnavailable` (a
+router may retry elsewhere); HTTP 4xx, invalid JSON, missing fields, wrong types and inconsistent lengths
+raise `EngineBadResponse` (the answer breaks the contract; retrying would hide a bug). Policy versions are
+ints here and decimal strings on the wire (the server's `"default"` is None). Weight calls always send
+`abort_all_requests: false`: SGLang's `/update_weight_version` defaults it to true and silently kills
+in-flight generation (radixark/miles PR #2296).
+
+Partial rollout (`partial_rollout=True`): a `/generate` aborted because this handle paused the server in
+`abort` mode keeps its tokens; the call waits until `continue_generation()` has been called on this handle
+(an `asyncio.Event`) and resubmits `input_ids + produced`, `max_new_tokens` reduced by what was produced,
+to the same server. The pieces join into one `GenerateOutput` with the producing version of every token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import json
+import uuid
+from collections.abc import Awaitable, Hashable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final, final
+
+import aiohttp
+import httpx
+import structlog
+
+from miles_aio.errors import EngineBadResponse, EngineError, EngineUnavailable
+from miles_aio.inference.base import PauseMode
+from miles_aio.inference.wire import (
+    ROUTING_KEY_HEADER,
+    SGLANG_DEFAULT_MAX_NEW_TOKENS,
+    decode_json_object,
+    encode_json,
+    join_pieces,
+    parse_generate_response,
+    parse_wire_version,
+    wire_version,
+)
+from miles_aio.types import GenerateOutput
+
+__all__ = ["AiohttpTransport", "ClientTimeouts", "SGLangClient"]
+
+_log = structlog.get_logger(__name__)
+
+KEEPALIVE_EXPIRY_S: Final = 4.0
+"""Idle connections close before SGLang's uvicorn keep-alive (5 s) would close them under a request."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClientTimeouts:
+    """Deadlines in seconds for one HTTP exchange."""
+
+    connect_s: float = 5.0
+    """TCP connect and connection-pool wait, for every call."""
+    generate_s: float | None = 600.0
+    """The whole `/generate` call, from connecting to the last byte of the answer; None: no limit."""
+    admin_s: float = 600.0
+    """Pause/continue/flush/weight-update calls (loading weights from disk can take minutes)."""
+    health_s: float = 30.0
+    """`/health_generate`, `/model_info`, `/server_info`, `/abort_request`."""
+
+    def __post_init__(self) -> None:
+        given = {
+            "connect_s": self.connect_s,
+            "admin_s": self.admin_s,
+            "health_s": self.health_s,
+            "generate_s": 1.0 if self.generate_s is None else self.generate_s,
+        }
+        if bad := {k: v for k, v in given.items() if not v > 0}:
+            raise ValueError(f"ClientTimeouts must be > 0, got {bad}")
+
+
+class _State(enum.Enum):
+    OPEN = "open"  # usable
+    CLOSED = "closed"  # aclose() was called: every call raises EngineUnavailable
+
+
+class AiohttpTransport(httpx.AsyncBaseTransport):
+    """An httpx transport over one aiohttp `ClientSession`, reading each answer whole (no streaming).
+
+    httpx's own pool slows down sharply with many concurrent requests (encode/httpx#3215); aiohttp's
+    does not (`benchmarks.client` measures both). `exchange` is the same round trip without building
+    httpx Request/Response objects (~40 µs per call): `SGLangClient` uses it for `/generate`.
+    The session is made on first use (it needs a running loop).
+    """
+
+    def __init__(self, *, max_connections: int = 2048, keepalive_expiry_s: float = KEEPALIVE_EXPIRY_S):
+        self._limit = max_connections
+        self._keepalive_s = keepalive_expiry_s
+        self._session: aiohttp.ClientSession | None = None
+
+    async def exchange(
+        self,
+        method: str,
+        url: str,
+        *,
+        content: bytes | None,
+        deadlines_s: Mapping[str, float | None],
+        headers: Mapping[str, str] | list[tuple[str, str]],
+    ) -> tuple[int, tuple[tuple[bytes, bytes], ...], bytes]:
+        """One round trip: (status, raw headers, body). `deadlines_s` has httpx's timeout-extension keys
+        (connect, pool, read) and optionally `total`, one timer for the whole call (cheaper than a read
+        timer re-armed on every chunk). aiohttp errors come out as the matching httpx.TransportError."""
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=self._limit, keepalive_timeout=self._keepalive_s)
+            self._session = aiohttp.ClientSession(connector=connector, trust_env=False, auto_decompress=False)
+        t = aiohttp.ClientTimeout(
+            total=deadlines_s.get("total"),
+            connect=deadlines_s.get("pool"),
+            sock_connect=deadlines_s.get("connect"),
+            sock_read=deadlines_s.get("read"),
+        )
+        try:
+            async with self._session.request(
+                method, url, data=content, headers=headers, timeout=t, allow_redirects=False
+            ) as resp:
+                return resp.status, resp.raw_headers, await resp.read()
+        except aiohttp.ConnectionTimeoutError as e:
+            raise httpx.ConnectTimeout(str(e) or "connect timed out") from e
+        except TimeoutError as e:  # aiohttp's SocketTimeoutError, or a plain asyncio timeout
+            raise httpx.ReadTimeout(str(e) or "read timed out") from e
+        except aiohttp.ClientConnectorError as e:
+            raise httpx.ConnectError(str(e)) from e
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as e:
+            raise httpx.RemoteProtocolError(str(e) or type(e).__name__) from e
+        except aiohttp.ClientError as e:
+            raise httpx.ReadError(f"{type(e).__name__}: {e}") from e
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        status, headers, body = await self.exchange(
+            request.method,
+            str(request.url),
+            content=await request.aread() or None,
+            headers=request.headers.multi_items(),
+            deadlines_s=request.extensions.get("timeout", {}),
+        )
+        return httpx.Response(status, headers=headers, content=body, request=request)
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+@final
+class SGLangClient:
+    """Async client for one SGLang-API server; implements `miles_aio.inference.base.InferenceEngine`.
+
+    Use `async with SGLangClient(url) as client:` or call `aclose()`; calls on a closed client raise
+    `EngineUnavailable`. `transport` swaps the HTTP transport (default `AiohttpTransport`). Control calls go
+    through an `httpx.AsyncClient`; `/generate`, the hot path, goes straight to the transport, skipping the
+    client's per-request URL/header/cookie/auth merging (~250 µs a request; `benchmarks.client`).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: str | None = None,
+        timeouts: ClientTimeouts = ClientTimeouts(),
+        partial_rollout: bool = False,
+        max_connections: int = 2048,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.url: Final = url.rstrip("/")
+        self.partial_rollout: Final = partial_rollout
+        self._timeouts = timeouts
+        self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._transport = transport or AiohttpTransport(max_connections=max_connections)
+        self._http = httpx.AsyncClient(
+            base_url=self.url,
+            headers=self._auth,
+            transport=self._transport,
+            trust_env=False,  # loopback and cluster URLs must never go through an HTTP(S)_PROXY
+        )
+        self._generate_url = f"{self.url}/generate"
+        self._gen_headers = {"Content-Type": "application/json", **self._auth}
+        self._rid_prefix = uuid.uuid4().hex  # rids must be unique across every client of a server
+        self._rid_counter = itertools.count()
+        c, g = timeouts.connect_s, timeouts.generate_s
+        self._gen_deadlines = {"connect": c, "total": g}  # AiohttpTransport.exchange: one timer per call
+        self._gen_httpx_timeout = {"connect": c, "pool": c, "read": g, "write": g}  # any other transport
+        self._state = _State.OPEN
+        self._pause_epoch = 0
+        """Bumped by every pause in abort mode before it is sent: an abort racing the pause still counts."""
+        self._abort_paused = False
+        """True from a pause in abort mode until the next continue_generation."""
+        self._resumed = asyncio.Event()
+        """Partial-rollout continuations wait on it: cleared by a pause, set by continue and by aclose."""
+        self._resumed.set()
+        self.continuations = 0
+        """How many partial-rollout continuations this client has resubmitted."""
+
+    async def __aenter__(self) -> SGLangClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the connection pool and wake partial-rollout waiters (they raise EngineUnavailable)."""
+        if self._state is _State.CLOSED:
+            return
+        self._state = _State.CLOSED
+        self._resumed.set()
+        await self._http.aclose()  # closes the transport too
+
+    # ---- HTTP plumbing -------------------------------------------------------------------------------
+
+    async def _send(self, path: str, exchange: Awaitable[tuple[int, bytes]]) -> bytes:
+        """Await one HTTP exchange; map transport failures and non-2xx statuses onto EngineError."""
+        try:
+            status, body = await exchange
+        except httpx.TimeoutException as e:
+            raise EngineUnavailable(f"{self.url}{path}: timed out ({type(e).__name__}: {e})") from e
+        except httpx.TransportError as e:
+            raise EngineUnavailable(f"{self.url}{path}: {type(e).__name__}: {e or 'no connection'}") from e
+        if status >= 400:
+            kind = EngineUnavailable if status >= 500 else EngineBadResponse
+            raise kind(f"{self.url}{path}: HTTP {status}: {_error_text(body)}")
+        return body
+
+    async def _request(
+        self, method: str, path: str, *, timeout_s: float, body: Mapping[str, Any] | None = None
+    ) -> bytes:
+        """One control-plane call through the httpx.AsyncClient; returns the answer's body."""
+        self._check_open()
+        timeout = httpx.Timeout(timeout_s, connect=self._timeouts.connect_s, pool=self._timeouts.connect_s)
+
+        async def exchange() -> tuple[int, bytes]:
+            resp = await self._http.request(method, path, json=body, timeout=timeout)
+            return resp.status_code, resp.content
+
+        return await self._send(path, exchange())
+
+    async def _post_json(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        """POST an admin call (None values left out); return its JSON answer, raise if `success` is false."""
+        body = {k: v for k, v in body.items() if v is not None}
+        answer = await self._request("POST", path, body=body, timeout_s=self._timeouts.admin_s)
+        data = decode_json_object(answer, f"{self.url}{path}")
+        if data.get("success") is False:
+            raise EngineError(f"{self.url}{path}: server refused: {data.get('message')!r}")
+        return data
+
+    def _check_open(self) -> None:
+        if self._state is _State.CLOSED:
+            raise EngineUnavailable(f"{self.url}: client is closed")
+
+    # ---- /generate -----------------------------------------------------------------------------------
+
+    async def generate(
+        self, *, input_ids: list[int], sampling_params: Mapping[str, Any], routing_key: Hashable | None = None
+    ) -> GenerateOutput:
+        """One generation: one `/generate`, or several when partial rollout continues a pause-abort.
+
+        A continuation waits on this handle's resume event; `continue_generation()` or `aclose()` sets it.
+        `routing_key` travels as the `X-SMG-Routing-Key` header, for an sglang-router in front.
+        """
+        if sampling_params.get("n", 1) != 1:
+            raise ValueError(f"sampling_params n must be 1, got {sampling_params['n']!r}")
+        out, paused_meanwhile = await self._generate_once(input_ids, sampling_params, routing_key)
+        if not self.partial_rollout:
+            return out
+        max_new = int(sampling_params.get("max_new_tokens", SGLANG_DEFAULT_MAX_NEW_TOKENS))
+        pieces = [out]
+        produced: list[int] = list(out.output_ids)
+        while out.finish_reason == "abort" and paused_meanwhile and len(produced) < max_new:
+            _log.debug("partial_rollout_wait", url=self.url, produced=len(produced))
+            await self._resumed.wait()
+            self._check_open()
+            self.continuations += 1
+            params = {**sampling_params, "max_new_tokens": max_new - len(produced)}
+            if isinstance(min_new := params.get("min_new_tokens"), int) and min_new > 0:
+                params["min_new_tokens"] = max(0, min_new - len(produced))
+            out, paused_meanwhile = await self._generate_once(input_ids + produced, params, routing_key)
+            pieces.append(out)
+            produced.extend(out.output_ids)
+        return out if len(pieces) == 1 else join_pieces(pieces, max_new_tokens=max_new)
+
+    async def _generate_once(
+        self, input_ids: list[int], sampling_params: Mapping[str, Any], routing_key: Hashable | None
+    ) -> tuple[GenerateOutput, bool]:
+        """One `/generate`; also says whether a pause in abort mode started while it was in flight."""
+        self._check_open()
+        rid = f"{self._rid_prefix}-{next(self._rid_counter)}"
+        body = {
+            "rid": rid,
+            "input_ids": input_ids,
+            "sampling_params": dict(sampling_params),
+            "return_logprob": True,
+            "stream": False,
+        }
+        headers = self._gen_headers
+        if routing_key is not None:
+            headers = {**headers, ROUTING_KEY_HEADER: str(routing_key)}
+        epoch = self._pause_epoch
+        try:
+            answer = await self._send("/generate", self._post_generate(encode_json(body), headers))
+        except EngineUnavailable as e:
+            if isinstance(e.__cause__, httpx.TimeoutException):  # the server may still be generating: stop it
+                try:
+                    await self.abort_request(rid=rid)
+                except EngineError as abort_error:
+                    _log.warning("abort_after_timeout_failed", url=self.url, rid=rid, error=str(abort_error))
+            raise
+        where = f"{self.url}/generate rid={rid}"
+        out = parse_generate_response(decode_json_object(answer, where), where=where)
+        return out, self._abort_paused or self._pause_epoch != epoch
+
+    async def _post_generate(self, content: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+        """The hot path: straight into aiohttp when that is the transport, else one httpx.Request."""
+        if isinstance(self._transport, AiohttpTransport):
+            status, _, body = await self._transport.exchange(
+                "POST", self._generate_url, content=content, headers=headers, deadlines_s=self._gen_deadlines
+            )
+            return status, body
+        request = httpx.Request(
+            "POST",
+            self._generate_url,
+            headers=headers,
+            content=content,
+            extensions={"timeout": self._gen_httpx_timeout},
+        )
+        resp = await self._transport.handle_async_request(request)
+        try:
+            return resp.status_code, await resp.aread()
+        finally:
+            await resp.aclose()
+
+    # ---- control plane -------------------------------------------------------------------------------
+
+    async def pause_generation(self, mode: PauseMode) -> None:
+        """`/pause_generation`. `abort`: in-flight requests come back aborted (and, with partial rollout,
+        wait for `continue_generation`); `retract`/`in_place`: they stay on the server."""
+        self._resumed.clear()
+        if mode == "abort":
+            self._abort_paused = True
+            self._pause_epoch += 1
+        await self._post_json("/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> None:
+        """`/continue_generation`, then release the partial-rollout continuations waiting on this handle."""
+        await self._post_json("/continue_generation", {})
+        self._abort_paused = False
+        self._resumed.set()
+
+    async def flush_cache(self) -> None:
+        """`/flush_cache` (SGLang answers 400 while requests are running: EngineBadResponse)."""
+        await self._request("POST", "/flush_cache", timeout_s=self._timeouts.admin_s)
+
+    async def update_weight_version(self, version: int) -> None:
+        """Stamp `version` without aborting in-flight requests (`abort_all_requests: false`)."""
+        body = {"new_version": wire_version(version), "abort_all_requests": False}
+        data = await self._post_json("/update_weight_version", body)
+        if data.get("new_version", body["new_version"]) != body["new_version"]:
+            raise EngineBadResponse(f"{self.url}/update_weight_version: answered {data!r} to {body!r}")
+
+    async def update_weights_from_disk(
+        self, model_path: str, *, version: int, flush_cache: bool = True, load_format: str | None = None
+    ) -> None:
+        """`/update_weights_from_disk`, stamping the new policy version in the same call."""
+        body = {
+            "model_path": model_path,
+            "weight_version": wire_version(version),
+            "flush_cache": flush_cache,
+            "abort_all_requests": False,
+            "load_format": load_format,
+        }
+        await self._post_json("/update_weights_from_disk", body)
+
+    async def init_weights_update_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> None:
+        """`/init_weights_update_group`: join the trainer's torch.distributed group for broadcasts."""
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        await self._post_json("/init_weights_update_group", body)
+
+    async def update_weights_from_distributed(
+        self,
+        *,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        version: int | None = None,
+        group_name: str = "weight_update_group",
+        flush_cache: bool = True,
+        load_format: str | None = None,
+    ) -> None:
+        """`/update_weights_from_distributed`: receive these tensors by broadcast from trainer rank 0."""
+        body = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+            "abort_all_requests": False,
+            "load_format": load_format,
+            "weight_version": None if version is None else wire_version(version),
+        }
+        await self._post_json("/update_weights_from_distributed", body)
+
+    async def abort_request(self, *, rid: str = "", abort_all: bool = False) -> None:
+        """`/abort_request` for one rid, or for every request with `abort_all`."""
+        if not rid and not abort_all:
+            raise ValueError("abort_request needs a rid or abort_all=True")
+        body = {"rid": rid, "abort_all": abort_all}
+        await self._request("POST", "/abort_request", body=body, timeout_s=self._timeouts.health_s)
+
+    async def health_generate(self) -> None:
+        """`/health_generate` (SGLang generates one token); raises EngineError unless it answers 200."""
+        await self._request("GET", "/health_generate", timeout_s=self._timeouts.health_s)
+
+    async def model_info(self) -> dict[str, Any]:
+        """`/model_info` (model_path, weight_version, ...)."""
+        return decode_json_object(
+            await self._request("GET", "/model_info", timeout_s=self._timeouts.health_s),
+            f"{self.url}/model_info",
+        )
+
+    async def server_info(self) -> dict[str, Any]:
+        """`/server_info` (server args, internal_states, version, ...)."""
+        return decode_json_object(
+            await self._request("GET", "/server_info", timeout_s=self._timeouts.health_s),
+            f"{self.url}/server_info",
+        )
+
+    async def weight_version(self) -> int | None:
+        """The server's current policy version, read from `/model_info`."""
+        return parse_wire_version((await self.model_info()).get("weight_version"), f"{self.url}/model_info")
+
+
+def _error_text(body: bytes) -> str:
+    """The server's error message: SGLang sends {"error": {"message": ...}} or {"error": "..."}."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body[:200].decode(errors="replace") or "(empty body)"
+    err = data.get("error", data.get("message", data)) if isinstance(data, dict) else data
+    return str(err.get("message", err) if isinstance(err, dict) else err)[:500]

@@ -1,0 +1,167 @@
+"""The SGLang `/generate` wire contract, as the client reads it: JSON codec, policy versions on the wire,
+strict validation of answers, and joining the pieces of a partially rolled-out generation.
+
+Field names and shapes follow SGLang's own schema (`sglang/api/v1/api_types.py`: `GenerateResponse`,
+`GenerateMetaInfo`, `LogprobEntry` as `[logprob, token_id, text]`, `WeightVersionSpan` as half-open
+`{version, start, end}` output-token spans) and `sglang/srt/utils/weight_versions.py`. Everything that breaks
+it raises `EngineBadResponse` with a message naming the field, never a half-built output.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from typing import Any, Final
+
+from miles_aio.errors import EngineBadResponse
+from miles_aio.types import FinishReason, GenerateOutput
+
+try:  # msgspec's JSON codec is ~5x faster than the stdlib's on token-id lists; optional
+    import msgspec
+
+    encode_json: Callable[[object], bytes] = msgspec.json.Encoder().encode
+    _decode_json: Callable[[bytes], object] = msgspec.json.Decoder().decode
+    _JSON_ERRORS: tuple[type[Exception], ...] = (msgspec.DecodeError, ValueError)
+except ImportError:  # pragma: no cover - only without msgspec
+    encode_json = lambda obj: json.dumps(obj, separators=(",", ":")).encode()  # noqa: E731
+    _decode_json = json.loads
+    _JSON_ERRORS = (ValueError,)
+
+__all__ = [
+    "DEFAULT_WEIGHT_VERSION",
+    "ROUTING_KEY_HEADER",
+    "SGLANG_DEFAULT_MAX_NEW_TOKENS",
+    "decode_json_object",
+    "encode_json",
+    "join_pieces",
+    "parse_generate_response",
+    "parse_wire_version",
+    "wire_version",
+]
+
+ROUTING_KEY_HEADER: Final = "X-SMG-Routing-Key"
+"""Header that sglang-router / sgl-model-gateway reads for consistent-hash routing (sticky prefixes)."""
+DEFAULT_WEIGHT_VERSION: Final = "default"
+"""What SGLang reports before anyone stamped a version; miles_aio reads it as None (unknown)."""
+SGLANG_DEFAULT_MAX_NEW_TOKENS: Final = 128
+"""SGLang's `SamplingParams.max_new_tokens` default, needed to size partial-rollout continuations."""
+_FINISH_TYPES: Final = frozenset({"stop", "length", "abort"})
+
+
+def wire_version(version: int) -> str:
+    """A policy version as SGLang carries it: a decimal string."""
+    if version < 0:
+        raise ValueError(f"policy versions are >= 0, got {version}")
+    return str(version)
+
+
+def parse_wire_version(raw: object, where: str) -> int | None:
+    """A policy version from the wire: `"default"` is None (unknown), a decimal string is an int."""
+    if raw == DEFAULT_WEIGHT_VERSION:
+        return None
+    if isinstance(raw, str) and raw.isascii() and raw.isdecimal():
+        return int(raw)
+    raise EngineBadResponse(f"{where}: weight version {raw!r} is neither a decimal string nor 'default'")
+
+
+def _require(obj: Mapping[str, Any], key: str, kind: type, where: str) -> Any:
+    """obj[key], which must be of type `kind` exactly (so a bool is not an int)."""
+    if key not in obj:
+        raise EngineBadResponse(f"{where}: missing field {key!r}")
+    if type(value := obj[key]) is not kind:
+        raise EngineBadResponse(f"{where}: field {key!r} is {type(value).__name__}, expected {kind.__name__}")
+    return value
+
+
+def _expand_versions(meta: Mapping[str, Any], n: int, where: str) -> list[int | None]:
+    """One version per output token, from `weight_versions` spans or the single `weight_version`."""
+    spans = meta.get("weight_versions")
+    if spans is None or spans == []:
+        return [parse_wire_version(_require(meta, "weight_version", str, where), where)] * n
+    if type(spans) is not list:
+        raise EngineBadResponse(f"{where}: weight_versions must be a list, got {type(spans).__name__}")
+    out: list[int | None] = []
+    for i, span in enumerate(spans):  # half-open [start, end) spans that tile the output
+        start, end = (span.get("start"), span.get("end")) if type(span) is dict else (None, None)
+        if type(start) is not int or type(end) is not int or start != len(out) or end < start:
+            raise EngineBadResponse(f"{where}: weight_versions[{i}]={span!r} does not continue at {len(out)}")
+        out.extend([parse_wire_version(span.get("version"), where)] * (end - start))
+    if len(out) != n:
+        raise EngineBadResponse(f"{where}: weight_versions spans cover {len(out)} tokens, output has {n}")
+    return out
+
+
+def parse_generate_response(body: object, *, where: str) -> GenerateOutput:
+    """Validate one non-streaming `/generate` answer and decode it; raise `EngineBadResponse` if it breaks
+    the contract (missing fields, wrong types, logprob count or token ids disagreeing with output_ids)."""
+    if type(body) is not dict:
+        raise EngineBadResponse(f"{where}: expected a JSON object, got {type(body).__name__}")
+    text = _require(body, "text", str, where)
+    output_ids: list[Any] = _require(body, "output_ids", list, where)
+    meta = _require(body, "meta_info", dict, where)
+    finish: FinishReason = _require(meta, "finish_reason", dict, where).get("type")
+    if finish not in _FINISH_TYPES:
+        raise EngineBadResponse(f"{where}: finish_reason.type {finish!r} not in {sorted(_FINISH_TYPES)}")
+    prompt_tokens = _require(meta, "prompt_tokens", int, where)
+    cached_tokens = _require(meta, "cached_tokens", int, where) if "cached_tokens" in meta else 0
+    entries: list[Any] = _require(meta, "output_token_logprobs", list, where)
+    n = len(output_ids)
+    if len(entries) != n:
+        raise EngineBadResponse(f"{where}: {len(entries)} output_token_logprobs for {n} output_ids")
+    log_probs: list[float] = []
+    for i in range(n):  # hot loop: exact type checks, no helper calls
+        entry, token_id = entries[i], output_ids[i]
+        if type(token_id) is not int:
+            raise EngineBadResponse(f"{where}: output_ids[{i}]={token_id!r} is not an int")
+        if type(entry) is not list or len(entry) != 3:
+            raise EngineBadResponse(f"{where}: output_token_logprobs[{i}]={entry!r} is not [logprob,id,text]")
+        lp = entry[0]
+        if (type(lp) is not float and type(lp) is not int) or lp != lp:
+            raise EngineBadResponse(f"{where}: output_token_logprobs[{i}] logprob {lp!r} is not a number")
+        if entry[1] != token_id or type(entry[1]) is not int:
+            raise EngineBadResponse(
+                f"{where}: output_token_logprobs[{i}] has token id {entry[1]!r}, output_ids has {token_id}"
+            )
+        log_probs.append(float(lp))
+    versions = _expand_versions(meta, n, where)
+    extra = {k: v for k, v in meta.items() if k not in ("output_token_logprobs", "weight_versions")}
+    return GenerateOutput(
+        text=text,
+        output_ids=output_ids,
+        output_log_probs=log_probs,
+        meta=extra,
+        weight_versions=versions,
+        finish_reason=finish,
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached_tokens,
+    )
+
+
+def join_pieces(pieces: list[GenerateOutput], *, max_new_tokens: int) -> GenerateOutput:
+    """The pieces of one partially rolled-out generation as one output (versions stay per token)."""
+    last = pieces[-1]
+    ids = [t for p in pieces for t in p.output_ids]
+    finish: FinishReason = (
+        "length" if last.finish_reason == "abort" and len(ids) >= max_new_tokens else (last.finish_reason)
+    )
+    return GenerateOutput(
+        text="".join(p.text for p in pieces),
+        output_ids=ids,
+        finish_reason=finish,
+        output_log_probs=[lp for p in pieces for lp in p.output_log_probs],
+        weight_versions=[v for p in pieces for v in p.weight_versions],
+        prompt_tokens=pieces[0].prompt_tokens,
+        cached_tokens=sum(p.cached_tokens for p in pieces),
+        meta={**last.meta, "partial_rollout_segments": len(pieces)},
+    )
+
+
+def decode_json_object(body: bytes, where: str) -> dict[str, Any]:
+    """Decode an answer that must be a JSON object; raise EngineBadResponse otherwise."""
+    try:
+        data = _decode_json(body)
+    except _JSON_ERRORS as e:
+        raise EngineBadResponse(f"{where}: invalid JSON ({e}); body starts {body[:80]!r}") from e
+    if type(data) is not dict:
+        raise EngineBadResponse(f"{where}: expected a JSON object, got {type(data).__name__}")
+    return data

@@ -1,0 +1,300 @@
+"""EngineRouter over real HTTP servers: balance, stickiness, failover when a server is killed and its
+return on the same port, bounded retries, waiting while every engine is down, admin broadcasts, stats."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections import Counter
+from collections.abc import AsyncIterator
+
+import pytest
+
+from miles_aio.errors import EngineBadResponse, EngineError, EngineUnavailable
+from miles_aio.inference.base import InferenceEngine
+from miles_aio.inference.router import EngineRouter, RouterPolicy
+from miles_aio.testing.sglang_stub_server import SGLangStubServer
+from tests.inference.helpers import expected_tokens, recorded, script, stub_processes
+
+PROMPT = [1, 2, 3]
+FAST = RouterPolicy(health_check_interval_s=0.05, retry_backoff_s=0.01)
+
+
+@contextlib.asynccontextmanager
+async def stubs(n: int, *, token_latency_s: float = 0.0) -> AsyncIterator[list[SGLangStubServer]]:
+    async with contextlib.AsyncExitStack() as stack:
+        opened = [SGLangStubServer.open(token_latency_s=token_latency_s) for _ in range(n)]
+        yield [await stack.enter_async_context(cm) for cm in opened]
+
+
+@pytest.mark.timeout(10)
+def test_least_in_flight_balances_concurrent_requests() -> None:
+    async def main() -> None:
+        async with (
+            stubs(3, token_latency_s=0.002) as servers,
+            EngineRouter.open([s.url for s in servers], policy=FAST) as router,
+        ):
+            assert isinstance(router, InferenceEngine)
+            async with asyncio.TaskGroup() as tg:
+                for _ in range(300):
+                    tg.create_task(router.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 4}))
+            counts = [s.counts["/generate"] for s in servers]
+            assert sum(counts) == 300
+            assert max(counts) - min(counts) <= 3, counts
+            stats = router.stats()
+            assert stats["router/requests"] == 300
+            assert stats["router/failures"] == 0
+            assert stats["router/in_flight"] == 0
+            assert 0 < stats["router/latency_p50_s"] <= stats["router/latency_p99_s"]
+            assert stats["router/engine0/requests"] == counts[0]
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(10)
+def test_same_routing_key_goes_to_the_same_engine() -> None:
+    async def main() -> None:
+        async with stubs(3, token_latency_s=0.001) as servers:
+            async with (
+                EngineRouter.open([s.url for s in servers], policy=FAST) as router,
+                asyncio.TaskGroup() as tg,
+            ):
+                # 40 groups x 4 turns, all concurrent
+                for turn in range(4):
+                    for group in range(40):
+                        tg.create_task(
+                            router.generate(
+                                input_ids=[group, turn],
+                                sampling_params={"max_new_tokens": 3},
+                                routing_key=group,
+                            )
+                        )
+            owner: dict[str, set[int]] = {}
+            for i, s in enumerate(servers):
+                for r in await recorded(s.url):
+                    owner.setdefault(r["routing_key"], set()).add(i)
+            assert len(owner) == 40
+            assert all(len(v) == 1 for v in owner.values()), owner
+            spread = Counter(next(iter(v)) for v in owner.values())
+            assert len(spread) == 3
+            assert min(spread.values()) >= 8, spread  # keys are still balanced
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(30)
+def test_killed_engine_is_routed_around_and_rejoins_on_the_same_port() -> None:
+    async def main() -> None:
+        async with (
+            stub_processes(2, "--token-latency-s", "0.005") as (a, b),
+            EngineRouter.open([a.url, b.url], policy=FAST) as router,
+        ):
+
+            async def load(n: int, key_offset: int = 0) -> None:
+                async with asyncio.TaskGroup() as tg:
+                    for i in range(n):
+                        tg.create_task(
+                            router.generate(
+                                input_ids=[i],
+                                sampling_params={"max_new_tokens": 20},
+                                routing_key=key_offset + i % 10,
+                            )
+                        )
+
+            await load(40)
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(load(200))  # every request must succeed despite the kill
+                await asyncio.sleep(0.1)
+                await a.kill()
+            stats = router.stats()
+            assert stats["router/engine0/healthy"] == 0.0
+            assert stats["router/engines_healthy"] == 1.0
+            assert stats["router/engine0/failures"] >= 1
+            assert stats["router/retries"] >= 1
+            assert stats["router/engine0/failures"] == stats["router/engine0/retries"]
+            port = a.port
+            await a.start()  # same port
+            assert a.port == port
+            async with asyncio.timeout(5):  # the health checker brings it back
+                await router.wait_for_healthy()
+            await load(100, key_offset=100)  # new keys: the old ones stay where their cache is
+            rejoined = await recorded(a.url)
+            assert len(rejoined) >= 20, len(rejoined)  # the restarted server takes traffic again
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(10)
+def test_retries_are_bounded_and_bad_responses_are_not_retried() -> None:
+    async def main() -> None:
+        async with stubs(2) as servers:
+            for s in servers:
+                s.add_faults([{"kind": "status", "status": 503, "times": 100}])
+            async with EngineRouter.open(
+                [s.url for s in servers], policy=dataclasses.replace(FAST, max_retries=3)
+            ) as router:
+                with pytest.raises(EngineUnavailable, match="failed 4 times"):
+                    await router.generate(input_ids=PROMPT, sampling_params={})
+                assert sum(s.counts["/generate"] for s in servers) == 4  # 1 try + 3 retries
+                stats = router.stats()
+                assert stats["router/failures"] == 4
+                assert stats["router/retries"] == 3
+        async with stubs(2) as servers:
+            for s in servers:
+                s.add_faults([{"kind": "garbage"}])
+            async with EngineRouter.open(
+                [s.url for s in servers], policy=dataclasses.replace(FAST, max_retries=3)
+            ) as router:
+                # The engine answered, and broke the contract: raised at once, never retried elsewhere.
+                with pytest.raises(EngineBadResponse, match="invalid JSON"):
+                    await router.generate(input_ids=PROMPT, sampling_params={})
+                assert sum(s.counts["/generate"] for s in servers) == 1
+                assert router.stats()["router/engines_healthy"] == 2
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(10)
+def test_all_down_waits_until_the_deadline_then_raises() -> None:
+    async def main() -> None:
+        async with stubs(1) as (stub,):
+            url = stub.url
+        async with EngineRouter.open(
+            [url], policy=dataclasses.replace(FAST, unavailable_deadline_s=0.3)
+        ) as router:
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            with pytest.raises(EngineUnavailable, match="no healthy engine"):
+                await router.generate(input_ids=PROMPT, sampling_params={})
+            assert 0.3 <= loop.time() - t0 < 2.0
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(20)
+def test_all_down_waits_for_an_engine_to_come_back() -> None:
+    async def main() -> None:
+        async with (
+            stub_processes(1) as (proc,),
+            EngineRouter.open(
+                [proc.url], policy=dataclasses.replace(FAST, unavailable_deadline_s=10, max_retries=5)
+            ) as router,
+        ):
+            await proc.kill()
+            async with asyncio.TaskGroup() as tg:
+                task = tg.create_task(
+                    router.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 3})
+                )
+                await asyncio.sleep(0.3)
+                assert not task.done()  # waiting, not failing
+                await proc.start()
+            assert task.result().output_ids == expected_tokens(PROMPT, 3)
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(10)
+def test_close_wakes_generates_waiting_for_an_engine() -> None:
+    async def main() -> None:
+        async with stubs(1) as (stub,):
+            url = stub.url
+        # No health checker (plain constructor): nothing would ever bring the engine back.
+        router = EngineRouter([url], policy=RouterPolicy(unavailable_deadline_s=30))
+
+        async def attempt() -> EngineUnavailable | None:
+            try:
+                await router.generate(input_ids=PROMPT, sampling_params={})
+            except EngineUnavailable as e:
+                return e
+            return None
+
+        async with asyncio.TaskGroup() as tg:
+            task = tg.create_task(attempt())
+            await asyncio.sleep(0.1)
+            assert not task.done()
+            await router.aclose()
+        assert "closed" in str(task.result())
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(10)
+def test_admin_calls_reach_every_engine_and_raise_if_one_fails() -> None:
+    async def main() -> None:
+        async with stubs(2) as servers, EngineRouter.open([s.url for s in servers], policy=FAST) as router:
+            await router.pause_generation("in_place")
+            await router.continue_generation()
+            await router.flush_cache()
+            await router.update_weights_from_disk("/ckpt/3", version=3)
+            await router.update_weight_version(4)
+            await router.init_weights_update_group(
+                master_address="h", master_port=1, rank_offsets=[1, 2], world_size=3
+            )
+            await router.update_weights_from_distributed(
+                names=["w"], dtypes=["float32"], shapes=[[1]], version=5
+            )
+            for s in servers:
+                assert s.weight_version == "5"
+                assert s.model_path == "/ckpt/3"
+                assert s.counts["/pause_generation"] == s.counts["/continue_generation"] == 1
+            offsets = [
+                (await recorded(s.url, "/init_weights_update_group"))[0]["body"]["rank_offset"]
+                for s in servers
+            ]
+            assert offsets == [1, 2]
+            servers[1].add_faults([{"kind": "status", "status": 400, "path": "/flush_cache"}])
+            with pytest.raises(EngineError, match="flush_cache failed on 1/2 engines") as info:
+                await router.flush_cache()
+            assert servers[1].url in str(info.value)
+            assert servers[0].counts["/flush_cache"] == 2  # the other engine was not cancelled
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(20)
+def test_restarted_engine_gets_the_last_disk_weights_before_rejoining() -> None:
+    async def main() -> None:
+        async with stub_processes(2) as (a, b), EngineRouter.open([a.url, b.url], policy=FAST) as router:
+            await router.update_weights_from_disk("/ckpt/7", version=7)
+            await a.kill()
+            out = await router.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 2})
+            assert out.weight_versions == [7, 7]  # failed over to b
+            assert router.stats()["router/engine0/healthy"] == 0.0
+            await a.start()  # a fresh server on the same port: weight_version "default"
+            async with asyncio.timeout(5):
+                await router.wait_for_healthy()
+            assert await router.clients[0].weight_version() == 7
+            body = (await recorded(a.url, "/update_weights_from_disk"))[-1]["body"]
+            assert body["model_path"] == "/ckpt/7"
+            assert body["weight_version"] == "7"
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(5)
+def test_constructor_validates() -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        EngineRouter([])
+    with pytest.raises(ValueError, match="max_retries=-1"):
+        RouterPolicy(max_retries=-1)
+    with pytest.raises(ValueError, match="health_check_interval_s"):
+        RouterPolicy(health_check_interval_s=0)
+
+
+@pytest.mark.timeout(10)
+def test_script_helper_drives_a_stub_over_http() -> None:
+    async def main() -> None:
+        async with (
+            stubs(1) as (stub,),
+            EngineRouter.open([stub.url], policy=dataclasses.replace(FAST, max_retries=0)) as router,
+        ):
+            await script(stub.url, faults=[{"kind": "status", "status": 502}], weight_version="9")
+            with pytest.raises(EngineUnavailable, match="HTTP 502"):
+                await router.generate(input_ids=PROMPT, sampling_params={})
+            async with asyncio.timeout(5):
+                await router.wait_for_healthy()
+            out = await router.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 2})
+            assert out.weight_versions == [9, 9]
+
+    asyncio.run(main())
