@@ -10,6 +10,7 @@ from miles_aio.config import (
     BufferConfig,
     DataConfig,
     DriverConfig,
+    EngineConfig,
     EvalConfig,
     RolloutConfig,
     RunConfig,
@@ -38,6 +39,7 @@ def make_config(run_dir: Path | None = None, **overrides: Any) -> RunConfig:
         ("buffer", BufferConfig),
         ("driver", DriverConfig),
         ("eval", EvalConfig),
+        ("engine", EngineConfig),
     ):
         names = {f.name for f in dataclasses.fields(cls)}
         parts[attr] = cls(**{k: values.pop(k) for k in list(values) if k in names})

@@ -21,6 +21,7 @@ from miles_aio.config import (
     BufferConfig,
     DataConfig,
     DriverConfig,
+    EngineConfig,
     EvalConfig,
     RolloutConfig,
     RunConfig,
@@ -39,6 +40,7 @@ COMPONENTS: list[tuple[str, type[Any], str]] = [
     ("buffer", BufferConfig, "data buffer"),
     ("driver", DriverConfig, "driver step loop"),
     ("eval", EvalConfig, "evaluation"),
+    ("engine", EngineConfig, "inference engines"),
 ]
 
 

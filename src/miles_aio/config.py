@@ -20,6 +20,7 @@ __all__ = [
     "BufferConfig",
     "DataConfig",
     "DriverConfig",
+    "EngineConfig",
     "EvalConfig",
     "RolloutConfig",
     "RunConfig",
@@ -112,6 +113,36 @@ class RolloutConfig:
         _positive(self.sglang_server_concurrency, "sglang_server_concurrency")
         if not 0 < self.rollout_top_p <= 1:
             raise ConfigError(f"must be in (0, 1], got {self.rollout_top_p}", flags=["--rollout-top-p"])
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineConfig:
+    """Which inference engines serve rollouts (`miles_aio.inference.engines`)."""
+
+    rollout_backend: Literal["local", "sglang"] = opt(
+        "local", "Embedded CPU engines (local) or SGLang servers launched by this run (sglang)."
+    )
+    sglang_urls: tuple[str, ...] = opt((), "Use these running SGLang servers (or one sglang-router URL).")
+    sglang_api_key: str | None = opt(None, "API key of the SGLang servers (Authorization: Bearer).")
+    rollout_num_gpus: int = opt(1, "GPUs for rollout engines (local backend: engine processes).")
+    rollout_num_gpus_per_engine: int = opt(1, "GPUs per engine, i.e. its tensor-parallel size.")
+    engine_num_threads: int = opt(1, "torch threads per embedded engine (local backend).")
+
+    def __post_init__(self) -> None:
+        _positive(self.rollout_num_gpus, "rollout_num_gpus")
+        _positive(self.rollout_num_gpus_per_engine, "rollout_num_gpus_per_engine")
+        _positive(self.engine_num_threads, "engine_num_threads")
+        if self.rollout_num_gpus % self.rollout_num_gpus_per_engine:
+            raise ConfigError(
+                f"{self.rollout_num_gpus} GPUs do not split into engines of "
+                f"{self.rollout_num_gpus_per_engine}",
+                flags=["--rollout-num-gpus", "--rollout-num-gpus-per-engine"],
+            )
+
+    @property
+    def num_engines(self) -> int:
+        """len(--sglang-urls) when given, else rollout_num_gpus // rollout_num_gpus_per_engine."""
+        return len(self.sglang_urls) or self.rollout_num_gpus // self.rollout_num_gpus_per_engine
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -241,6 +272,7 @@ class RunConfig:
     buffer: BufferConfig
     driver: DriverConfig
     eval: EvalConfig = field(default_factory=EvalConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     run_dir: Path = opt(Path("runs/run"), "Directory for everything the run writes.")
 
     def __post_init__(self) -> None:

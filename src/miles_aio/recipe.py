@@ -83,6 +83,19 @@ def _parser(recipe: Recipe) -> argparse.ArgumentParser:
     return parser
 
 
+def sglang_passthrough(parser: argparse.ArgumentParser, unknown: Sequence[str]) -> list[str]:
+    """`--sglang-<flag> [value]` → `--<flag> [value]` for SGLang's launch_server; others are errors."""
+    out: list[str] = []
+    for arg in unknown:
+        if arg.startswith("--sglang-"):
+            out.append("--" + arg.removeprefix("--sglang-"))
+        elif out and not arg.startswith("--"):
+            out.append(arg)  # the value of the previous --sglang-* flag
+        else:
+            parser.error(f"unrecognized arguments: {arg}")
+    return out
+
+
 def load_records(cfg: RunConfig, recipe: Recipe, ns: argparse.Namespace) -> list[PromptRecord]:
     if cfg.data.prompt_data is not None:
         return read_prompt_jsonl(cfg.data.prompt_data, cfg.data)
@@ -131,7 +144,8 @@ def describe_plan(cfg: RunConfig, recipe: Recipe, ns: argparse.Namespace, n_prom
 def main(recipe: Recipe, argv: Sequence[str] | None = None) -> RunSummary | None:
     """Parse, validate (exit 2 on error), then either print the plan (--dry-run) or run."""
     parser = _parser(recipe)
-    ns = parser.parse_args(argv)
+    ns, unknown = parser.parse_known_args(argv)
+    ns.sglang_args = sglang_passthrough(parser, unknown)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = ns.run_dir or Path("runs") / f"{recipe.name}-{stamp}"
     try:
