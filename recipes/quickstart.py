@@ -50,8 +50,6 @@ DEFAULTS: dict[str, Any] = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("quickstart")
-    g.add_argument("--num-engines", type=int, default=1, help="Embedded engine processes (default: 1).")
-    g.add_argument("--engine-threads", type=int, default=1, help="torch threads per engine (default: 1).")
     g.add_argument(
         "--warm-start-accuracy",
         type=float,
@@ -105,7 +103,8 @@ def plan(cfg: RunConfig, ns: argparse.Namespace) -> dict[str, Any]:
     return {
         "processes": {
             "controller": 1,
-            "engines": f"{ns.num_engines} embedded (CPU, {ns.engine_threads} thread each)",
+            "engines": cfg.engine.num_engines,
+            "engine_backend": cfg.engine.rollout_backend,
             "trainer_ranks": cfg.train.actor_num_nodes * cfg.train.actor_num_gpus_per_node,
         },
         "model": "tiny Llama, warm-started by supervised fine-tuning",

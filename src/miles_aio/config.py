@@ -69,6 +69,9 @@ class DataConfig:
     input_key: str = opt("prompt", "Key of the prompt (a string or a list of chat messages) in each line.")
     label_key: str | None = opt("label", "Key of the label passed to the reward function.")
     metadata_key: str | None = opt(None, "Key of a per-prompt metadata object copied into Sample.metadata.")
+    apply_chat_template: bool = opt(
+        False, "Wrap text prompts as one user message, so generate applies the tokenizer's chat template."
+    )
     rollout_shuffle: bool = opt(True, "Shuffle the prompts each epoch (seeded by --seed and the epoch).")
     seed: int = opt(42, "Seed for shuffling and sampling.")
 

@@ -55,6 +55,8 @@ def read_prompt_jsonl(path: Path, cfg: DataConfig) -> list[PromptRecord]:
                 raise ConfigError(
                     f"{where}: empty or non-text prompt", flags=["--prompt-data", "--input-key"]
                 )
+            if cfg.apply_chat_template and isinstance(prompt, str):
+                prompt = [{"role": "user", "content": prompt}]
             label = row.get(cfg.label_key) if cfg.label_key else None
             meta = row.get(cfg.metadata_key) if cfg.metadata_key else None
             records.append(PromptRecord(prompt, label, meta if isinstance(meta, dict) else None))

@@ -1,0 +1,118 @@
+"""GSM8K with a Qwen3 model on GPUs: SGLang rollout engines + a megatron-core (or FSDP) trainer.
+
+    python -m recipes.gsm8k_qwen3 \\
+        --hf-checkpoint /models/Qwen3-4B \\
+        --prompt-data /data/gsm8k/train.jsonl --input-key question --label-key answer \\
+        --eval-prompt-data gsm8k /data/gsm8k/test.jsonl
+
+Nothing is downloaded: bring the checkpoint and the JSONL files (GSM8K's `answer` field, ending in
+`#### <number>`, is the label). The flags are miles' fully async flags, so a miles script ports by
+changing its entry point.
+
+GPU layout (one 8-GPU node, the default):
+    GPUs 0-3  trainer: megatron-core, TP 2 × DP 2
+              (--actor-num-gpus-per-node 4 --tensor-model-parallel-size 2)
+    GPUs 4-7  rollout: 4 SGLang engines, 1 GPU each (--rollout-num-gpus 4 --rollout-num-gpus-per-engine 1)
+Weights go from trainer rank 0 to the engines over NCCL (--update-weight-transfer-mode broadcast).
+Multi-node: start the trainer ranks with torchrun on each node (--actor-num-nodes N); they dial the
+controller. `--dry-run` prints this plan for your flags without starting anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+from miles_aio.config import RunConfig
+from miles_aio.recipe import Recipe, RunParts, main
+
+DEFAULTS: dict[str, Any] = {
+    # rollout: as miles' Qwen3 fully async examples
+    "rollout_batch_size": 32,
+    "n_samples_per_prompt": 8,
+    "num_rollout": 300,
+    "rollout_max_response_len": 4096,
+    "rollout_temperature": 1.0,
+    "apply_chat_template": True,
+    "custom_rm_path": "miles_aio.tasks.math:gsm8k_reward",
+    "async_max_concurrent_samples": 512,
+    "max_admission_staleness": 2,
+    "async_data_buffer_capacity_factor": 2.0,
+    "pause_generation_mode": "retract",
+    # engines
+    "rollout_backend": "sglang",
+    "rollout_num_gpus": 4,
+    "rollout_num_gpus_per_engine": 1,
+    # eval on the shared engines
+    "eval_interval": 10,
+    "eval_temperature": 0.0,
+    "n_samples_per_eval_prompt": 1,
+}
+
+
+def train_defaults() -> dict[str, Any]:
+    return {
+        "train_backend": "megatron",
+        "actor_num_gpus_per_node": 4,
+        "tensor_model_parallel_size": 2,
+        "global_batch_size": 256,
+        "lr": 1e-6,
+        "eps_clip": 0.2,
+        "eps_clip_high": 0.28,
+        "use_tis": True,
+        "update_weight_transfer_mode": "broadcast",
+    }
+
+
+@asynccontextmanager
+async def build(cfg: RunConfig, ns: argparse.Namespace) -> AsyncIterator[RunParts]:
+    from transformers import AutoTokenizer
+
+    from miles_aio.inference.engines import open_engines
+    from miles_aio.trainer.actor import TrainerActor
+
+    model = cfg.train.hf_checkpoint
+    assert model is not None
+    trainer_gpus = cfg.train.actor_num_nodes * cfg.train.actor_num_gpus_per_node
+    async with (
+        open_engines(cfg, model_path=model, gpu_offset=trainer_gpus, sglang_args=ns.sglang_args) as router,
+        TrainerActor.open(dataclasses.replace(cfg.train), cfg, run_dir=cfg.run_dir) as trainer,
+    ):
+        tok = AutoTokenizer.from_pretrained(model)
+        yield RunParts(engine=router, trainer=trainer, tokenizer=tok, num_engines=cfg.engine.num_engines)
+
+
+def plan(cfg: RunConfig, ns: argparse.Namespace) -> dict[str, Any]:
+    t, e = cfg.train, cfg.engine
+    trainer_gpus = t.actor_num_nodes * t.actor_num_gpus_per_node
+    tp, pp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size
+    return {
+        "gpus": {
+            "trainer": f"0-{trainer_gpus - 1} ({t.train_backend}, TP {tp} × PP {pp} "
+            f"× DP {trainer_gpus // (tp * pp)})",
+            "rollout": f"{trainer_gpus}-{trainer_gpus + e.rollout_num_gpus - 1} "
+            f"({e.num_engines} SGLang engines × {e.rollout_num_gpus_per_engine} GPU)",
+        },
+        "weight_sync": t.update_weight_transfer_mode,
+        "sglang_args": ns.sglang_args,
+    }
+
+
+RECIPE = Recipe(
+    name="gsm8k_qwen3",
+    description=(__doc__ or "").split("\n\n")[0],
+    defaults={**DEFAULTS, **train_defaults()},
+    build=build,
+    plan=plan,
+)
+
+
+def cli(argv: Sequence[str] | None = None) -> None:
+    main(RECIPE, argv)
+
+
+if __name__ == "__main__":
+    cli()
