@@ -32,7 +32,15 @@ from typing import Any, TypeVar
 
 import looptime
 
-from miles_aio.config import BufferConfig, DataConfig, DriverConfig, RolloutConfig, RunConfig, SchedulerConfig
+from miles_aio.config import (
+    BufferConfig,
+    DataConfig,
+    DriverConfig,
+    RolloutConfig,
+    RunConfig,
+    SchedulerConfig,
+    TrainConfig,
+)
 from miles_aio.controller import Controller
 from miles_aio.data.source import DataSource, PromptRecord
 from miles_aio.plugins import resolve_plugins
@@ -66,6 +74,7 @@ def config(run_dir: Path, steps: int, **sched: Any) -> RunConfig:
         scheduler=SchedulerConfig(**sched),
         buffer=BufferConfig(),
         driver=DriverConfig(num_rollout=steps),
+        train=TrainConfig(use_tis=True),
         run_dir=run_dir,
     )
 

@@ -26,6 +26,7 @@ DEFAULTS = {
     "rollout_max_response_len": 256,
     "custom_rm_path": "recipes.simulated:reward",
     "max_admission_staleness": 2,
+    "use_tis": True,  # the (simulated) trainer is corrected for off-policy data, as fully async requires
 }
 
 

@@ -15,6 +15,7 @@ from miles_aio.config import (
     RolloutConfig,
     RunConfig,
     SchedulerConfig,
+    TrainConfig,
 )
 from miles_aio.data.source import DataSource, PromptRecord
 from miles_aio.rollout.context import RolloutContext
@@ -29,6 +30,7 @@ def make_config(run_dir: Path | None = None, **overrides: Any) -> RunConfig:
         "n_samples_per_prompt": 2,
         "num_rollout": 3,
         "custom_rm_path": "tests.helpers:length_reward",
+        "use_tis": True,
         "rollout_max_response_len": 64,
     }
     values = {**defaults, **overrides}
@@ -40,6 +42,7 @@ def make_config(run_dir: Path | None = None, **overrides: Any) -> RunConfig:
         ("driver", DriverConfig),
         ("eval", EvalConfig),
         ("engine", EngineConfig),
+        ("train", TrainConfig),
     ):
         names = {f.name for f in dataclasses.fields(cls)}
         parts[attr] = cls(**{k: values.pop(k) for k in list(values) if k in names})

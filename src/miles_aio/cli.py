@@ -26,6 +26,7 @@ from miles_aio.config import (
     RolloutConfig,
     RunConfig,
     SchedulerConfig,
+    TrainConfig,
     flag,
 )
 from miles_aio.errors import ConfigError
@@ -41,6 +42,7 @@ COMPONENTS: list[tuple[str, type[Any], str]] = [
     ("driver", DriverConfig, "driver step loop"),
     ("eval", EvalConfig, "evaluation"),
     ("engine", EngineConfig, "inference engines"),
+    ("train", TrainConfig, "trainer"),
 ]
 
 

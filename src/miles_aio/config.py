@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from miles_aio._fields import flag, opt
 from miles_aio.errors import ConfigError
+from miles_aio.trainer.config import TrainConfig, check_batch_arithmetic, check_off_policy_correction
 
 __all__ = [
     "BufferConfig",
@@ -25,6 +27,7 @@ __all__ = [
     "RolloutConfig",
     "RunConfig",
     "SchedulerConfig",
+    "TrainConfig",
     "flag",
     "opt",
 ]
@@ -32,24 +35,6 @@ __all__ = [
 Granularity = Literal["sample", "group"]
 UnusedHandler = Literal["retry", "drop"]
 PauseMode = Literal["retract", "in_place", "abort"]
-
-
-def opt(
-    default: Any = dataclasses.MISSING,
-    help: str = "",
-    *,
-    metavar: str | None = None,
-) -> Any:
-    """A config field whose CLI help (and metavar) live in its metadata."""
-    metadata = {"help": help, "metavar": metavar}
-    if default is dataclasses.MISSING:
-        return field(metadata=metadata)
-    return field(default=default, metadata=metadata)
-
-
-def flag(name: str) -> str:
-    """The command-line flag of a config field: `max_weight_staleness` → `--max-weight-staleness`."""
-    return "--" + name.replace("_", "-")
 
 
 def _positive(value: float | None, name: str, *, allow_none: bool = False, zero_ok: bool = False) -> None:
@@ -73,7 +58,7 @@ class DataConfig:
         False, "Wrap text prompts as one user message, so generate applies the tokenizer's chat template."
     )
     rollout_shuffle: bool = opt(True, "Shuffle the prompts each epoch (seeded by --seed and the epoch).")
-    seed: int = opt(42, "Seed for shuffling and sampling.")
+    rollout_seed: int = opt(42, "Seed of the prompt shuffle (the trainer's is --seed).")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -276,6 +261,7 @@ class RunConfig:
     driver: DriverConfig
     eval: EvalConfig = field(default_factory=EvalConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
     run_dir: Path = opt(Path("runs/run"), "Directory for everything the run writes.")
 
     def __post_init__(self) -> None:
@@ -286,6 +272,9 @@ class RunConfig:
                 f"the in-flight bound ({cap}) must hold at least one whole group of {n} samples",
                 flags=["--async-max-concurrent-samples", "--n-samples-per-prompt"],
             )
+        samples_per_step = self.rollout.rollout_batch_size * n
+        check_batch_arithmetic(self.train, samples_per_step)
+        check_off_policy_correction(self.train, fully_async=True)
         if self.buffer_capacity_groups < 1:
             raise ConfigError(
                 f"buffer capacity floor({self.buffer.async_data_buffer_capacity_factor} × "

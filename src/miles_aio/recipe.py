@@ -181,7 +181,7 @@ async def _run(
     source = DataSource(
         records,
         n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
-        seed=cfg.data.seed,
+        seed=cfg.data.rollout_seed,
         shuffle=cfg.data.rollout_shuffle,
     )
     async with recipe.build(cfg, ns) as parts:

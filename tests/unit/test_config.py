@@ -11,7 +11,7 @@ import pytest
 from miles_aio.cli import parse_run_config
 from miles_aio.config import RunConfig
 
-BASE = ["--rollout-batch-size", "4", "--num-rollout", "2", "--n-samples-per-prompt", "2"]
+BASE = ["--rollout-batch-size", "4", "--num-rollout", "2", "--n-samples-per-prompt", "2", "--use-tis"]
 
 INVALID: list[tuple[list[str], list[str]]] = [
     (["--async-data-buffer-capacity-factor", "0"], ["--async-data-buffer-capacity-factor"]),
@@ -44,6 +44,14 @@ INVALID: list[tuple[list[str], list[str]]] = [
     (["--rollout-submission-granularity", "token"], ["--rollout-submission-granularity"]),
     (["--async-unused-samples-handler", "keep"], ["--async-unused-samples-handler"]),
     (["--rollout-batch-size", "four"], ["--rollout-batch-size"]),
+    # trainer and cross-component rules
+    (["--no-use-tis"], ["--use-tis", "--allow-uncorrected-off-policy"]),
+    (["--global-batch-size", "3"], ["--global-batch-size"]),
+    (["--global-batch-size", "16"], ["--global-batch-size"]),
+    (["--rollout-num-gpus", "3", "--rollout-num-gpus-per-engine", "2"], ["--rollout-num-gpus"]),
+    (["--eval-prompt-data", "only-a-name"], ["--eval-prompt-data"]),
+    (["--train-backend", "jax"], ["--train-backend"]),
+    (["--n-samples-per-eval-prompt", "0"], ["--n-samples-per-eval-prompt"]),
 ]
 
 
@@ -88,7 +96,9 @@ def test_valid_flags_build_a_frozen_config_with_derived_bounds() -> None:
 
 
 def test_recipe_defaults_are_overridden_by_flags() -> None:
-    cfg = parse_run_config(["--num-rollout", "7"], defaults={"rollout_batch_size": 3, "num_rollout": 1})
+    cfg = parse_run_config(
+        ["--num-rollout", "7"], defaults={"rollout_batch_size": 3, "num_rollout": 1, "use_tis": True}
+    )
     assert (cfg.rollout.rollout_batch_size, cfg.driver.num_rollout) == (3, 7)
 
 

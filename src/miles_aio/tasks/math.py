@@ -19,7 +19,7 @@ _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 
 def normalize_number(text: str) -> str | None:
     """`"1,234.50"` → `"1234.5"`; None if there is no number."""
-    found = _NUMBER.findall(text)
+    found: list[str] = _NUMBER.findall(text)
     if not found:
         return None
     value = found[-1].replace(",", "")
@@ -30,7 +30,8 @@ def normalize_number(text: str) -> str | None:
 
 def extract_answer(text: str) -> str | None:
     """The final answer of a response or a GSM8K label."""
-    if (boxed := _BOXED.findall(text)) and (n := normalize_number(boxed[-1])) is not None:
+    boxed: list[str] = _BOXED.findall(text)
+    if boxed and (n := normalize_number(boxed[-1])) is not None:
         return n
     if "####" in text:
         return normalize_number(text.rsplit("####", 1)[1])

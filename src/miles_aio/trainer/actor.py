@@ -1,0 +1,477 @@
+"""`TrainerActor`: the controller's `Trainer`, driving W trainer rank processes over the channel.
+
+    async with TrainerActor.open(train_cfg, run_cfg) as actor:   # spawns, authenticates, loads the model
+        metrics = await actor.train(step, batch)                  # batch: the step's groups
+        await actor.sync_weights(engine, version=v)               # engines paused by the controller
+
+Tasks (all in `open()`'s TaskGroup, so a failure cancels the caller's block and surfaces as
+`TrainerRankError`):
+  listener      accepts rank connections; each must pass the HMAC handshake (`channel`).
+  watch-<r>     waits for rank r's process to exit (never polls). An exit outside shutdown fails every
+                pending call; if the rank had no channel yet it raises, else its reader does.
+  reader-<r>    reads rank r's frames: a reply resolves the oldest pending call of that rank (replies
+                come in command order), an `error` report fails every pending call with the rank's
+                traceback; EOF outside shutdown raises `TrainerRankError` (exit code included).
+Commands go out one at a time (`_lock`); a call waits for its replies or for the first rank failure.
+Every exit path (normal, error, cancellation) ends in `aclose()`: shutdown command, then SIGTERM, then
+SIGKILL, run to completion even when the caller is cancelled meanwhile. No child outlives the block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import sys
+from asyncio.subprocess import DEVNULL
+from collections import deque
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, Final
+
+import structlog
+import torch
+
+from miles_aio.config import RunConfig
+from miles_aio.errors import ConfigError, MilesAioError
+from miles_aio.inference.base import InferenceEngine
+from miles_aio.trainer import losses, protocol
+from miles_aio.trainer.channel import AsyncChannel, ChannelListener
+from miles_aio.trainer.config import TrainConfig, check_batch_arithmetic
+from miles_aio.trainer.protocol import Message
+from miles_aio.trainer.rank_main import CONTROLLER_ENV, PARENT_ENV, THREADS_ENV
+from miles_aio.types import Group
+
+__all__ = ["TrainerActor", "TrainerRankError"]
+
+log = structlog.get_logger("miles_aio.trainer")
+_TERM_GRACE_S: Final = 5.0
+_EXIT_REPORT_GRACE_S: Final = 5.0
+
+
+class TrainerRankError(MilesAioError):
+    """A trainer rank failed: its exception (with the rank's traceback) or its unexpected exit."""
+
+    def __init__(
+        self, rank: int, message: str, *, traceback: str = "", returncode: int | None = None
+    ) -> None:
+        self.rank, self.rank_traceback, self.returncode = rank, traceback, returncode
+        text = f"trainer rank {rank}: {message}"
+        if traceback:
+            text += f"\n--- rank {rank} traceback ---\n{traceback.rstrip()}"
+        super().__init__(text)
+
+
+class TrainerActor:
+    """The `Trainer` protocol over trainer rank processes. Build it with `TrainerActor.open(...)`."""
+
+    def __init__(self, cfg: TrainConfig, *, run_dir: Path, listener: ChannelListener, spawn: bool) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self._listener = listener
+        self._spawn = spawn
+        self._world = cfg.world_size
+        self._procs: dict[int, asyncio.subprocess.Process] = {}
+        self._chans: dict[int, AsyncChannel] = {}
+        self._pending: dict[int, deque[asyncio.Future[Message]]] = {r: deque() for r in range(self._world)}
+        self._all_connected = asyncio.Event()
+        self._lock = asyncio.Lock()
+        self._closing = False
+        self._closed = asyncio.Event()
+        self._failure: TrainerRankError | None = None
+        self._tg: asyncio.TaskGroup | None = None
+        self._aux: list[asyncio.Task[None]] = []
+        self._dp_of: dict[int, int] = {}
+        self._dp_size = 1
+        self._device = "cpu"
+        self._bcast: tuple[int, str, list[list[str]], dict[str, tuple[str, list[int]]]] | None = None
+        self.wrapper = ""
+
+    # -- lifecycle ----------------------------------------------------------------------------------------
+    @classmethod
+    @asynccontextmanager
+    async def open(
+        cls,
+        train_cfg: TrainConfig,
+        run_cfg: RunConfig | None = None,
+        *,
+        run_dir: Path | None = None,
+        secret: bytes | None = None,
+        spawn: bool | None = None,
+    ) -> AsyncIterator[TrainerActor]:
+        """Start (spawn=True, default on one node) or await (torchrun ranks dialling in) the W ranks,
+        load the model on each, and yield the actor; on exit, take every rank down."""
+        if run_dir is None:
+            run_dir = run_cfg.run_dir if run_cfg is not None else Path("runs/run")
+        spawn = train_cfg.actor_num_nodes == 1 if spawn is None else spawn
+        if secret is None:
+            secret = protocol.secret_from_env()
+        if secret is None:
+            if not spawn:
+                raise ConfigError(
+                    f"ranks started by torchrun need the run's secret: set {protocol.SECRET_ENV} (hex) "
+                    "on the controller and on every node",
+                    flags=["--actor-num-nodes"],
+                )
+            secret = protocol.new_secret()
+        if train_cfg.hf_checkpoint is None:
+            raise ConfigError("the trainer needs an initial model", flags=["--hf-checkpoint"])
+        listener = ChannelListener(secret, host=train_cfg.trainer_host, port=train_cfg.trainer_port)
+        # abspath: the engines and the ranks get absolute paths whatever their cwd
+        run_dir = Path(os.path.abspath(run_dir))  # noqa: ASYNC240 - no I/O beyond getcwd, once per run
+        actor = cls(train_cfg, run_dir=run_dir, listener=listener, spawn=spawn)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                actor._tg = tg
+                actor._aux.append(tg.create_task(listener.serve(actor._deliver), name="trainer-listener"))
+                try:
+                    async with asyncio.timeout(train_cfg.trainer_connect_timeout_s):
+                        if spawn:
+                            await actor._spawn_ranks(secret)
+                        else:
+                            log.info("trainer: waiting for torchrun ranks", address=listener.address)
+                        await actor._all_connected.wait()
+                        await actor._init_ranks()
+                    yield actor
+                finally:
+                    await _run_to_completion(actor.aclose())
+        except BaseExceptionGroup as eg:
+            raise _primary(eg)  # noqa: B904 - keep the primary error's own cause chain
+        finally:
+            listener.close()
+
+    async def _spawn_ranks(self, secret: bytes) -> None:
+        assert self._tg is not None
+        host, port = self._listener.address
+        threads = max(1, (os.cpu_count() or 1) // self._world)
+        base = {
+            **os.environ,
+            "WORLD_SIZE": str(self._world),
+            "LOCAL_WORLD_SIZE": str(self._world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(_free_port()),
+            CONTROLLER_ENV: f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
+            protocol.SECRET_ENV: secret.hex(),
+            PARENT_ENV: str(os.getpid()),
+            THREADS_ENV: str(threads),
+            "OMP_NUM_THREADS": str(threads),
+        }
+        for rank in range(self._world):
+            env = base | {"RANK": str(rank), "LOCAL_RANK": str(rank)}
+            # stdout goes to our stderr: the controller's stdout may be machine-read (benchmarks, JSON).
+            cmd = (sys.executable, "-m", "miles_aio.trainer.rank_main")
+            proc = await asyncio.create_subprocess_exec(
+                *cmd, env=env, stdin=DEVNULL, stdout=sys.stderr.fileno()
+            )
+            self._procs[rank] = proc
+            self._aux.append(self._tg.create_task(self._watch_exit(rank, proc), name=f"trainer-watch-{rank}"))
+        log.info("trainer: ranks spawned", pids=[p.pid for p in self._procs.values()])
+
+    def _deliver(self, chan: AsyncChannel) -> None:
+        """A rank passed the handshake: keep its channel and start its reader."""
+        assert self._tg is not None
+        if chan.rank >= self._world or chan.rank in self._chans or self._closing:
+            log.warning("trainer: unexpected rank connection dropped", rank=chan.rank)
+            self._tg.create_task(chan.aclose())
+            return
+        self._chans[chan.rank] = chan
+        self._aux.append(self._tg.create_task(self._read(chan), name=f"trainer-reader-{chan.rank}"))
+        if len(self._chans) == self._world:
+            self._all_connected.set()
+
+    async def _init_ranks(self) -> None:
+        replies = await self._call("init", {"config": self.cfg.to_json()})
+        self._dp_of = {r: int(m.header["dp_rank"]) for r, m in replies.items()}
+        self._dp_size = int(replies[0].header["dp_size"])
+        self._device = str(replies[0].header["device"])
+        self.wrapper = str(replies[0].header["wrapper"])
+        log.info(
+            "trainer: ready", world=self._world, dp=self._dp_size, wrapper=self.wrapper, device=self._device
+        )
+
+    async def aclose(self) -> None:
+        """Shut every rank down (politely, then SIGTERM, then SIGKILL) and stop the actor's tasks."""
+        if self._closing:
+            await self._closed.wait()
+            return
+        self._closing = True
+        try:
+            live = [c for r, c in self._chans.items() if self._failure is None or r != self._failure.rank]
+            if live and self._failure is None:
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(_TERM_GRACE_S):
+                        await self._send_all("shutdown", {}, live)
+                        await asyncio.gather(*(p.wait() for p in self._procs.values()))
+            await asyncio.gather(*(_terminate(r, p) for r, p in self._procs.items()))
+            self._fail_pending(TrainerRankError(-1, "the trainer was closed"))
+        finally:
+            for task in self._aux:
+                task.cancel()
+            for chan in self._chans.values():
+                await chan.aclose()
+            self._closed.set()
+
+    # -- per-rank tasks -----------------------------------------------------------------------------------
+    async def _watch_exit(self, rank: int, proc: asyncio.subprocess.Process) -> None:
+        rc = await proc.wait()
+        if self._closing:
+            return
+        if rank not in self._chans:
+            err = TrainerRankError(rank, f"exited with code {rc} before connecting", returncode=rc)
+            self._fail_pending(err)
+            raise err
+        # The reader reports it (with the traceback the rank sent before exiting); if the socket somehow
+        # stays open, close it so the reader sees EOF.
+        await asyncio.sleep(_EXIT_REPORT_GRACE_S)
+        await self._chans[rank].aclose()
+
+    async def _read(self, chan: AsyncChannel) -> None:
+        rank, report = chan.rank, None
+        try:
+            while True:
+                msg = await chan.recv()
+                if msg.op == "error":
+                    h = msg.header
+                    report = TrainerRankError(
+                        rank, f"{h.get('type')}: {h.get('message')}", traceback=str(h.get("traceback", ""))
+                    )
+                    self._fail_pending(report)
+                    continue
+                queue = self._pending[rank]
+                if queue:
+                    fut = queue.popleft()
+                    if not fut.done():  # the caller may have been cancelled meanwhile
+                        fut.set_result(msg)
+        except (ConnectionError, OSError, protocol.ProtocolError) as exc:
+            if self._closing:
+                return
+            rc = None
+            if (proc := self._procs.get(rank)) is not None:
+                with contextlib.suppress(TimeoutError):
+                    rc = await asyncio.wait_for(proc.wait(), _EXIT_REPORT_GRACE_S)
+            if report is not None:
+                report.returncode = rc
+                err = report
+            else:
+                what = f"exited with code {rc}" if rc is not None else f"channel lost ({exc})"
+                err = TrainerRankError(rank, what, returncode=rc)
+            self._fail_pending(err)
+            raise err from None
+
+    def _fail_pending(self, err: TrainerRankError) -> None:
+        if self._failure is None and err.rank >= 0:
+            self._failure = err
+        for queue in self._pending.values():
+            while queue:
+                fut = queue.popleft()
+                if not fut.done():
+                    fut.set_exception(err)
+                    fut.exception()  # mark retrieved: only the caller's await reports it
+
+    # -- commands -----------------------------------------------------------------------------------------
+    async def _send_all(self, op: str, header: Mapping[str, Any], chans: Sequence[AsyncChannel]) -> None:
+        for chan in chans:
+            await chan.send({"op": op, **header})
+
+    async def _call(
+        self,
+        op: str,
+        header: Mapping[str, Any] | None = None,
+        *,
+        ranks: Sequence[int] | None = None,
+        per_rank: Mapping[int, tuple[Mapping[str, Any], Mapping[str, torch.Tensor]]] | None = None,
+    ) -> dict[int, Message]:
+        """Send `op` to `ranks` (default all) and wait for each one's reply."""
+        if self._failure is not None:
+            raise self._failure
+        if self._closing:
+            raise TrainerRankError(-1, "the trainer is closed")
+        targets = list(range(self._world)) if ranks is None else list(ranks)
+        loop = asyncio.get_running_loop()
+        async with self._lock:
+            futs: dict[int, asyncio.Future[Message]] = {}
+            for r in targets:
+                extra, tensors = per_rank[r] if per_rank is not None else ({}, {})
+                futs[r] = loop.create_future()
+                self._pending[r].append(futs[r])
+                try:
+                    await self._chans[r].send({"op": op, **(header or {}), **extra}, tensors)
+                except (ConnectionError, OSError) as exc:
+                    futs[r].cancel()
+                    raise self._failure or TrainerRankError(r, f"cannot send {op!r}: {exc}") from exc
+            done, _ = await asyncio.wait(futs.values(), return_when=asyncio.FIRST_EXCEPTION)
+            for fut in done:
+                if (failed := fut.exception()) is not None:
+                    raise failed
+            return {r: f.result() for r, f in futs.items()}
+
+    # -- the Trainer protocol -----------------------------------------------------------------------------
+    async def train(self, step: int, batch: list[Group]) -> dict[str, float]:
+        """One rollout's worth of training: advantages over all groups, then `optimizer_steps` updates,
+        each over `global_batch_size` samples split evenly over the data-parallel ranks."""
+        cfg = self.cfg
+        n = sum(len(g) for g in batch)
+        check_batch_arithmetic(cfg, n)
+        step_data = losses.shard_batch(
+            batch,
+            estimator=cfg.advantage_estimator,
+            std_normalization=not cfg.disable_grpo_std_normalization,
+            reward_key=cfg.reward_key,
+            global_batch_size=cfg.resolved_global_batch_size(n),
+            dp_size=self._dp_size,
+        )
+        encoded = [protocol.encode_batch(rows) for rows in step_data.shards]
+        per_rank: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {
+            r: ({}, encoded[d]) for r, d in self._dp_of.items()
+        }
+        replies = await self._call(
+            "train", {"step": step, "num_tokens": step_data.num_tokens}, per_rank=per_rank
+        )
+        metrics: dict[str, float] = replies[0].header["metrics"]
+        metrics["train/advantage_abs_mean"] = sum(map(abs, step_data.advantages)) / max(n, 1)
+        return metrics
+
+    async def sync_weights(self, engine: InferenceEngine, *, version: int) -> None:
+        if self.cfg.update_weight_transfer_mode == "disk":
+            path = await self.write_weights(version)
+            await engine.update_weights_from_disk(str(path), version=version)
+        else:
+            await self._sync_broadcast(engine, version)
+
+    async def write_weights(self, version: int) -> Path:
+        """Disk mode's first half: rank 0 writes `<run-dir>/weights/v<version>` (an HF model dir)."""
+        path = self.run_dir / "weights" / f"v{version}"
+        await self._call("save_hf", {"path": str(path), "keep": self.cfg.weight_sync_keep})
+        return path
+
+    async def _sync_broadcast(self, engine: Any, version: int) -> None:
+        """Rank 0 joins the engines' weight-update group once per engine handle, then per bucket of
+        ≤ --update-weight-buffer-size bytes: rank 0 broadcasts while the engines receive, concurrently."""
+        if self._bcast is None or self._bcast[0] != id(engine):
+            meta = (await self._call("weight_meta", ranks=[0]))[0].header
+            clients = list(getattr(engine, "clients", None) or [engine])
+            tps = [
+                int((await c.server_info()).get("tp_size", 1)) if hasattr(c, "server_info") else 1
+                for c in clients
+            ]
+            offsets = [1 + sum(tps[:i]) for i in range(len(tps))]
+            group = f"miles_aio_weights_{os.getpid()}_{version}"
+            init = {
+                "master_address": meta["master_address"],
+                "master_port": meta["master_port"],
+                "world_size": 1 + sum(tps),
+                "group_name": group,
+                "backend": "nccl" if self._device.startswith("cuda") else "gloo",
+            }
+            # A router takes every engine's first rank; a single client takes its own.
+            offset = {"rank_offsets": offsets} if hasattr(engine, "clients") else {"rank_offset": offsets[0]}
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._call("bcast_init", init, ranks=[0]))
+                tg.create_task(engine.init_weights_update_group(**init, **offset))
+            names, dtypes, shapes = meta["names"], meta["dtypes"], meta["shapes"]
+            info = {n: (d, s) for n, d, s in zip(names, dtypes, shapes, strict=True)}
+            buckets = protocol.weight_buckets(names, dtypes, shapes, self.cfg.update_weight_buffer_size)
+            self._bcast = (id(engine), group, buckets, info)
+        _, group, buckets, info = self._bcast
+        for names in buckets:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._call("bcast_bucket", {"names": names}))
+                tg.create_task(
+                    engine.update_weights_from_distributed(
+                        names=names,
+                        dtypes=[info[n][0] for n in names],
+                        shapes=[info[n][1] for n in names],
+                        version=version,
+                        group_name=group,
+                    )
+                )
+
+    async def save(self, step: int, directory: Path) -> None:
+        await self._call("save", {"step": step, "directory": str(directory)})
+
+    async def load(self, directory: Path) -> int:
+        """Restore model, optimizer and RNG state written by `save`; returns the saved step."""
+        replies = await self._call("load", {"directory": str(directory)})
+        return int(replies[0].header["step"])
+
+    async def export_hf(self, directory: Path) -> Path:
+        """Write the current weights as an HF model directory (transformers and SGLang load it)."""
+        await self._call("export_hf", {"path": str(directory)})
+        return Path(directory)
+
+    async def get_weights(self) -> dict[str, torch.Tensor]:
+        """The full current weights, HF names (for tests and tools; the whole model comes over the wire)."""
+        return (await self._call("get_weights"))[0].tensors
+
+    async def logprobs(
+        self, tokens: Sequence[Sequence[int]], response_lengths: Sequence[int]
+    ) -> list[torch.Tensor]:
+        """Current-policy log-probs of the last `response_lengths[i]` tokens of each `tokens[i]`."""
+        rows = [
+            losses.TrainRow(torch.tensor(list(t), dtype=torch.int64), r, torch.ones(r), torch.zeros(r), 0.0)
+            for t, r in zip(tokens, response_lengths, strict=True)
+        ]
+        reply = (
+            await self._call(
+                "logprobs", per_rank={r: ({}, protocol.encode_batch(rows)) for r in range(self._world)}
+            )
+        )[0]
+        return [reply.tensors[str(i)] for i in range(len(rows))]
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs.values()]
+
+
+async def _terminate(rank: int, proc: asyncio.subprocess.Process) -> None:
+    if proc.returncode is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        proc.terminate()
+    try:
+        await asyncio.wait_for(proc.wait(), _TERM_GRACE_S)
+    except TimeoutError:
+        log.warning("trainer: rank ignored SIGTERM, killing it", rank=rank, pid=proc.pid)
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+
+
+async def _run_to_completion(coro: Any) -> None:
+    """Await `coro` to the end even if we are cancelled meanwhile (then re-raise the cancellation).
+
+    The cleanup runs as its own task, shielded, because a cancelled caller must still not leave rank
+    processes behind; it is awaited right here, so it never outlives the caller."""
+    task = asyncio.ensure_future(coro)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled = True
+    task.result()
+    if cancelled:
+        raise asyncio.CancelledError
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _primary(exc: BaseException) -> BaseException:
+    """The most telling error inside (nested) exception groups: a rank's report, else the first real one."""
+    flat: list[BaseException] = []
+    stack = [exc]
+    while stack:
+        e = stack.pop(0)
+        if isinstance(e, BaseExceptionGroup):
+            stack.extend(e.exceptions)
+        else:
+            flat.append(e)
+    real = [e for e in flat if not isinstance(e, asyncio.CancelledError)]
+    ranked = [e for e in real if isinstance(e, TrainerRankError) and e.rank_traceback]
+    return (ranked or real or flat)[0]

@@ -1,0 +1,312 @@
+"""`TrainConfig`: every trainer flag (miles' names), validated when constructed.
+
+Same conventions as `miles_aio.config`: one frozen dataclass, one field per flag (`--` + name with
+`_` → `-`), help text in the field metadata, invalid values raise `ConfigError` naming the flags from
+`__post_init__`. Rules that need other components' config are module functions the lead calls at the
+cross-check: `check_batch_arithmetic` (samples per step vs `--global-batch-size`) and
+`check_off_policy_correction` (a fully async run must correct for off-policy data somehow).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from miles_aio._fields import flag, opt
+from miles_aio.errors import ConfigError
+
+__all__ = [
+    "AdvantageEstimator",
+    "KLLossType",
+    "TrainBackend",
+    "TrainConfig",
+    "TransferMode",
+    "check_batch_arithmetic",
+    "check_off_policy_correction",
+]
+
+TrainBackend = Literal["fsdp", "megatron"]
+AdvantageEstimator = Literal["grpo", "rloo", "reinforce_plus_plus_baseline"]
+KLLossType = Literal["k1", "k2", "k3", "low_var_kl"]
+TransferMode = Literal["disk", "broadcast"]
+FsdpWrap = Literal["auto", "fsdp2", "ddp"]
+
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "train_backend": ("fsdp", "megatron"),
+    "advantage_estimator": ("grpo", "rloo", "reinforce_plus_plus_baseline"),
+    "kl_loss_type": ("k1", "k2", "k3", "low_var_kl"),
+    "update_weight_transfer_mode": ("disk", "broadcast"),
+    "fsdp_wrap": ("auto", "fsdp2", "ddp"),
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    """The trainer: model, parallelism, batch arithmetic, optimizer, loss and weight sync."""
+
+    # -- model and processes ---------------------------------------------------------------------------
+    train_backend: TrainBackend = opt("fsdp", "Trainer backend: HF model under FSDP2/DDP, or megatron-core.")
+    hf_checkpoint: Path | None = opt(None, "Initial HF model directory (config.json + safetensors).")
+    actor_num_nodes: int = opt(1, "Trainer nodes. >1: ranks are started by torchrun and dial the controller.")
+    actor_num_gpus_per_node: int = opt(1, "Trainer ranks per node (on CPU: rank processes).")
+    fsdp_wrap: FsdpWrap = opt(
+        "auto", "fsdp backend wrapper: FSDP2 fully_shard, DDP, or auto (FSDP2 when world size > 1)."
+    )
+    tensor_model_parallel_size: int = opt(1, "Megatron tensor parallel size.")
+    pipeline_model_parallel_size: int = opt(1, "Megatron pipeline parallel size.")
+    seed: int = opt(1234, "Seed of the trainer's RNGs.")
+    trainer_host: str = opt(
+        "127.0.0.1", "Address the controller listens on for trainer ranks (non-loopback needs a secret)."
+    )
+    trainer_port: int = opt(0, "Port the controller listens on for trainer ranks (0: any free port).")
+    trainer_connect_timeout_s: float = opt(600.0, "How long to wait for every rank to connect and load.")
+    dist_timeout_s: float = opt(600.0, "torch.distributed collective timeout inside the trainer ranks.")
+
+    # -- batch arithmetic ------------------------------------------------------------------------------
+    global_batch_size: int | None = opt(
+        None,
+        "Samples per optimizer step; must divide rollout_batch_size × n_samples_per_prompt "
+        "(default: all of them, one optimizer step per rollout).",
+    )
+    num_steps_per_rollout: int | None = opt(
+        None, "Optimizer steps per rollout; sets global_batch_size = samples per rollout / N."
+    )
+    micro_batch_size: int = opt(1, "Samples per forward/backward on one rank.")
+    max_tokens_per_gpu: int | None = opt(
+        None, "Pack micro-batches up to this many tokens per rank instead of --micro-batch-size."
+    )
+
+    # -- optimizer -------------------------------------------------------------------------------------
+    lr: float = opt(1e-6, "AdamW learning rate.")
+    weight_decay: float = opt(0.0, "AdamW weight decay.")
+    adam_beta1: float = opt(0.9, "AdamW beta1.")
+    adam_beta2: float = opt(0.98, "AdamW beta2.")
+    adam_eps: float = opt(1e-8, "AdamW epsilon.")
+    clip_grad: float = opt(1.0, "Clip the global gradient norm to this (0: off).")
+
+    # -- loss ------------------------------------------------------------------------------------------
+    advantage_estimator: AdvantageEstimator = opt("grpo", "How rewards become per-sample advantages.")
+    disable_grpo_std_normalization: bool = opt(
+        False, "GRPO: only mean-centre rewards per group (Dr.GRPO), do not divide by the group std."
+    )
+    reward_key: str | None = opt(None, "Key of the scalar reward when the reward function returns a dict.")
+    eps_clip: float = opt(0.2, "PPO ratio clip: lower bound 1 - eps_clip.")
+    eps_clip_high: float | None = opt(
+        None, "PPO ratio clip upper bound 1 + eps_clip_high (default eps_clip)."
+    )
+    use_kl_loss: bool = opt(False, "Add a KL penalty against the frozen initial model (keeps a copy).")
+    kl_loss_coef: float = opt(0.0, "Weight of the KL loss.")
+    kl_loss_type: KLLossType = opt("low_var_kl", "KL estimator: k1, k2, k3 or low_var_kl (k3 clamped).")
+    entropy_coef: float = opt(0.0, "Entropy bonus weight (loss -= coef × entropy).")
+    use_tis: bool = opt(
+        False, "Truncated importance sampling: weight each token by clamp(π_old/π_rollout, low, high)."
+    )
+    tis_clip: float = opt(2.0, "Upper clamp of the TIS weight.")
+    tis_clip_low: float = opt(0.0, "Lower clamp of the TIS weight.")
+    use_decoupled_loss: bool = opt(
+        False,
+        "Decoupled PPO (AReaL): clip the ratio against the recomputed proximal policy and weight by "
+        "π_prox/π_behave (clamped by the TIS bounds when --use-tis).",
+    )
+    use_rollout_logprobs: bool = opt(
+        False, "Use the engine's rollout log-probs as π_old (no recompute): PPO against the behaviour policy."
+    )
+    use_opsm: bool = opt(
+        False, "Off-policy sequence masking: drop negative-advantage sequences whose KL(π_old‖π) > delta."
+    )
+    opsm_delta: float = opt(1e-4, "OPSM sequence-level KL threshold.")
+    allow_uncorrected_off_policy: bool = opt(
+        False, "Allow a fully async run with no off-policy correction at all (not recommended)."
+    )
+
+    # -- weight sync -----------------------------------------------------------------------------------
+    update_weight_transfer_mode: TransferMode = opt(
+        "disk", "How weights reach the engines: safetensors on disk, or a torch.distributed broadcast."
+    )
+    update_weight_buffer_size: int = opt(
+        512 * 1024**2, "Broadcast bucket size in bytes (tensors per /update_weights_from_distributed call)."
+    )
+    weight_sync_keep: int = opt(
+        2, "Disk mode: weight snapshots kept under <run-dir>/weights (older deleted)."
+    )
+
+    def __post_init__(self) -> None:
+        for name, choices in _CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise ConfigError(
+                    f"must be one of {', '.join(choices)}, got {getattr(self, name)!r}", flags=[flag(name)]
+                )
+        for name in (
+            "actor_num_nodes",
+            "actor_num_gpus_per_node",
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "micro_batch_size",
+            "update_weight_buffer_size",
+            "weight_sync_keep",
+        ):
+            _require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+        for name in ("global_batch_size", "num_steps_per_rollout", "max_tokens_per_gpu"):
+            value = getattr(self, name)
+            _require(value is None or value >= 1, name, f"must be >= 1, got {value}")
+        for name in ("lr", "trainer_connect_timeout_s", "dist_timeout_s", "adam_eps"):
+            value = getattr(self, name)
+            _require(math.isfinite(value) and value > 0, name, f"must be > 0, got {value}")
+        for name in (
+            "weight_decay",
+            "clip_grad",
+            "kl_loss_coef",
+            "entropy_coef",
+            "tis_clip_low",
+            "opsm_delta",
+        ):
+            value = getattr(self, name)
+            _require(math.isfinite(value) and value >= 0, name, f"must be >= 0, got {value}")
+        for name in ("adam_beta1", "adam_beta2"):
+            _require(0 <= getattr(self, name) < 1, name, f"must be in [0, 1), got {getattr(self, name)}")
+        _require(0 < self.eps_clip < 1, "eps_clip", f"must be in (0, 1), got {self.eps_clip}")
+        _require(
+            self.eps_clip_high is None or self.eps_clip_high > 0,
+            "eps_clip_high",
+            f"must be > 0, got {self.eps_clip_high}",
+        )
+        _require(0 <= self.trainer_port < 65536, "trainer_port", f"must be a port, got {self.trainer_port}")
+        if self.tis_clip <= self.tis_clip_low:
+            raise ConfigError(
+                f"the TIS clamp is empty: [{self.tis_clip_low}, {self.tis_clip}]",
+                flags=["--tis-clip-low", "--tis-clip"],
+            )
+        if self.global_batch_size is not None and self.num_steps_per_rollout is not None:
+            raise ConfigError(
+                "give one of them: num_steps_per_rollout sets the global batch size",
+                flags=["--global-batch-size", "--num-steps-per-rollout"],
+            )
+        if self.use_rollout_logprobs and (self.use_tis or self.use_decoupled_loss):
+            # π_old would *be* π_rollout, so the behaviour weight π_old/π_rollout is identically 1.
+            raise ConfigError(
+                "with --use-rollout-logprobs the importance weight π_old/π_rollout is always 1",
+                flags=["--use-rollout-logprobs", "--use-tis" if self.use_tis else "--use-decoupled-loss"],
+            )
+        if self.use_kl_loss and self.kl_loss_coef == 0:
+            raise ConfigError(
+                "a KL loss with coefficient 0 only costs a reference model",
+                flags=["--use-kl-loss", "--kl-loss-coef"],
+            )
+        if self.train_backend == "fsdp" and (
+            self.tensor_model_parallel_size > 1 or self.pipeline_model_parallel_size > 1
+        ):
+            raise ConfigError(
+                "tensor/pipeline parallelism needs --train-backend megatron",
+                flags=["--train-backend", "--tensor-model-parallel-size", "--pipeline-model-parallel-size"],
+            )
+        if self.pipeline_model_parallel_size > 1:
+            raise ConfigError(
+                "pipeline parallelism is not implemented by the megatron backend yet (tensor parallel is)",
+                flags=["--pipeline-model-parallel-size"],
+            )
+        mp = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        if self.world_size % mp:
+            raise ConfigError(
+                f"world size {self.world_size} is not a multiple of TP × PP = {mp}",
+                flags=[
+                    "--actor-num-nodes",
+                    "--actor-num-gpus-per-node",
+                    "--tensor-model-parallel-size",
+                    "--pipeline-model-parallel-size",
+                ],
+            )
+        if self.actor_num_nodes > 1 and self.trainer_host in ("127.0.0.1", "localhost", "::1"):
+            raise ConfigError(
+                "ranks on other nodes cannot dial a loopback address; give the controller's address",
+                flags=["--actor-num-nodes", "--trainer-host"],
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.actor_num_nodes * self.actor_num_gpus_per_node
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: the world divided by the model-parallel group."""
+        return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+
+    @property
+    def clip_high(self) -> float:
+        return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
+
+    def optimizer_steps(self, samples_per_step: int) -> int:
+        """Optimizer steps per rollout (`check_batch_arithmetic` has made sure this divides evenly)."""
+        return samples_per_step // self.resolved_global_batch_size(samples_per_step)
+
+    def resolved_global_batch_size(self, samples_per_step: int) -> int:
+        if self.global_batch_size is not None:
+            return self.global_batch_size
+        if self.num_steps_per_rollout is not None:
+            return samples_per_step // self.num_steps_per_rollout
+        return samples_per_step
+
+    def to_json(self) -> str:
+        """JSON for the rank processes (which rebuild it with `from_json`, so validation runs there too)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["hf_checkpoint"] = None if self.hf_checkpoint is None else str(self.hf_checkpoint)
+        return json.dumps(d)
+
+    @classmethod
+    def from_json(cls, text: str) -> TrainConfig:
+        d: dict[str, Any] = json.loads(text)
+        if d.get("hf_checkpoint") is not None:
+            d["hf_checkpoint"] = Path(d["hf_checkpoint"])
+        return cls(**d)
+
+
+def _require(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(message, flags=[flag(name)])
+
+
+def check_batch_arithmetic(train_cfg: TrainConfig, samples_per_step: int) -> None:
+    """`samples_per_step` = rollout_batch_size × n_samples_per_prompt: it must split into whole global
+    batches, and each global batch into equal shares for the data-parallel ranks."""
+    flags = ["--global-batch-size", "--rollout-batch-size", "--n-samples-per-prompt"]
+    if train_cfg.num_steps_per_rollout is not None:
+        k = train_cfg.num_steps_per_rollout
+        if samples_per_step % k:
+            raise ConfigError(
+                f"{samples_per_step} samples per rollout do not split into {k} optimizer steps",
+                flags=["--num-steps-per-rollout", "--rollout-batch-size", "--n-samples-per-prompt"],
+            )
+    gbs = train_cfg.resolved_global_batch_size(samples_per_step)
+    if gbs > samples_per_step or samples_per_step % gbs:
+        raise ConfigError(
+            f"global batch size {gbs} must divide the {samples_per_step} samples of a rollout "
+            "(rollout_batch_size × n_samples_per_prompt)",
+            flags=flags,
+        )
+    if gbs % train_cfg.dp_size:
+        raise ConfigError(
+            f"global batch size {gbs} does not split evenly over {train_cfg.dp_size} data-parallel ranks",
+            flags=["--global-batch-size", "--actor-num-gpus-per-node", "--actor-num-nodes"],
+        )
+
+
+def check_off_policy_correction(train_cfg: TrainConfig, *, fully_async: bool) -> None:
+    """Refuse to start a fully async run with no off-policy correction of any kind unless
+    --allow-uncorrected-off-policy: stale samples would silently be trained as on-policy (the CPU probe
+    lost 10-17 points of accuracy to one step of uncorrected staleness)."""
+    corrected = train_cfg.use_tis or train_cfg.use_decoupled_loss or train_cfg.use_rollout_logprobs
+    if fully_async and not corrected and not train_cfg.allow_uncorrected_off_policy:
+        raise ConfigError(
+            "refuse to start a fully async run with no off-policy correction of any kind; enable one "
+            "(--use-tis, --use-decoupled-loss or --use-rollout-logprobs) or pass "
+            "--allow-uncorrected-off-policy",
+            flags=[
+                "--use-tis",
+                "--use-decoupled-loss",
+                "--use-rollout-logprobs",
+                "--allow-uncorrected-off-policy",
+            ],
+        )

@@ -1,0 +1,439 @@
+"""The RL math of a training step, as pure torch functions (no distributed, no model).
+
+Consumes rewards (per group), logits and per-token log-probs of four policies: π (current, with grad),
+π_old (recomputed before the update = the proximal policy, or the engine's when
+`--use-rollout-logprobs`), π_rollout (the engine that sampled, i.e. the behaviour policy) and π_ref
+(frozen initial model, only with `--use-kl-loss`). Produces per-sample advantages and one scalar loss
+per micro-batch plus token-summed metrics.
+
+Token tensors are [B, T] and aligned to *targets*: entry (b, i) is about token i+1 of row b, predicted
+from logits at position i. `mask` is 1 on trained response tokens. The loss is summed over masked
+tokens and divided by `num_tokens`, the masked-token count of the whole global batch (all micro-batches
+and data-parallel ranks), so gradient accumulation and data parallelism give the same update as one big
+batch: a token mean over the global batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+from miles_aio.types import Sample
+
+__all__ = [
+    "LossOutput",
+    "LossSettings",
+    "MicroBatch",
+    "StepShards",
+    "TrainRow",
+    "collate",
+    "compute_advantages",
+    "entropy_from_logits",
+    "finalize_metrics",
+    "kl_estimate",
+    "policy_loss",
+    "ppo_clip_loss",
+    "scalar_reward",
+    "shard_batch",
+    "split_micro_batches",
+    "tis_weights",
+    "token_log_probs",
+]
+
+Estimator = Literal["grpo", "rloo", "reinforce_plus_plus_baseline"]
+KLType = Literal["k1", "k2", "k3", "low_var_kl"]
+
+
+# -- advantages ------------------------------------------------------------------------------------------
+def scalar_reward(reward: float | Mapping[str, Any] | None, reward_key: str | None) -> float:
+    """A sample's reward as a float: the value itself, or `reward[reward_key]` for dict rewards."""
+    if reward is None:
+        raise ValueError("sample has no reward (did the reward function run?)")
+    if isinstance(reward, Mapping):
+        if reward_key is None:
+            raise ValueError(f"dict reward {sorted(reward)} needs --reward-key")
+        return float(reward[reward_key])
+    return float(reward)
+
+
+def compute_advantages(
+    rewards: Sequence[Sequence[float]],
+    estimator: Estimator,
+    *,
+    std_normalization: bool = True,
+    eps: float = 1e-6,
+) -> list[list[float]]:
+    """Per-sample advantages for a step's groups (one list of rewards per prompt group).
+
+    grpo: (r − group mean) / (group std + eps), std unbiased as torch's; mean-centred only when
+      `std_normalization` is False (Dr.GRPO). A group of one keeps its raw reward (nothing to compare).
+    rloo: r_i − mean of the *other* samples of the group = n/(n−1) · (r_i − group mean).
+    reinforce_plus_plus_baseline: r − group mean, then whitened over all samples of the step.
+    """
+    out: list[list[float]] = []
+    for group in rewards:
+        r = torch.tensor(group, dtype=torch.float64)
+        n = r.numel()
+        if n <= 1:
+            out.append(r.tolist())
+            continue
+        centred = r - r.mean()
+        if estimator == "grpo":
+            adv = centred / (r.std() + eps) if std_normalization else centred
+        elif estimator == "rloo":
+            adv = centred * n / (n - 1)
+        elif estimator == "reinforce_plus_plus_baseline":
+            adv = centred
+        else:
+            raise ValueError(f"unknown advantage estimator {estimator!r}")
+        out.append(adv.tolist())
+    if estimator == "reinforce_plus_plus_baseline":
+        flat = torch.tensor([a for g in out for a in g], dtype=torch.float64)
+        if flat.numel() > 1:
+            mean, std = flat.mean(), flat.std()
+            out = [[(a - float(mean)) / (float(std) + eps) for a in g] for g in out]
+    return out
+
+
+# -- per-token quantities --------------------------------------------------------------------------------
+def token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log π(target | prefix) per position: logits [B, T, V], targets [B, T] → [B, T] (float32)."""
+    logp = F.log_softmax(logits.float(), dim=-1)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the next-token distribution per position: [B, T, V] → [B, T] (float32)."""
+    logp = F.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: KLType) -> torch.Tensor:
+    """Per-token estimators of KL(π‖π_ref) from samples of π (Schulman's k1/k2/k3).
+
+    k1 = log r, k2 = ½ (log r)², k3 = (r⁻¹ − 1) + log r with r = π/π_ref; low_var_kl = k3 clamped
+    to [−10, 10] (as miles/verl), which keeps one wild token from dominating.
+    """
+    log_ratio = logp - ref_logp
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio**2
+    if kind in ("k3", "low_var_kl"):
+        kl = torch.exp(-log_ratio) - 1 + log_ratio
+        return kl.clamp(-10.0, 10.0) if kind == "low_var_kl" else kl
+    raise ValueError(f"unknown KL type {kind!r}")
+
+
+def ppo_clip_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    eps_clip: float,
+    eps_clip_high: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO-clip per token: max(−A·r, −A·clip(r, 1−eps_clip, 1+eps_clip_high)), r = exp(logp − old_logp).
+
+    Returns (loss, clipped: 1.0 where the clipped branch was taken, ratio).
+    """
+    high = eps_clip if eps_clip_high is None else eps_clip_high
+    ratio = torch.exp(logp - old_logp)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + high)
+    loss = torch.maximum(unclipped, clipped)
+    return loss, (clipped > unclipped).float(), ratio
+
+
+def tis_weights(
+    old_logp: torch.Tensor, rollout_logp: torch.Tensor, *, low: float, high: float
+) -> torch.Tensor:
+    """Truncated importance weight clamp(π_old/π_rollout, low, high), detached (a constant in the loss)."""
+    return torch.exp(old_logp - rollout_logp).clamp(low, high).detach()
+
+
+# -- the loss --------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class LossSettings:
+    """The loss-related flags of `TrainConfig` (kept separate so this module needs no config)."""
+
+    eps_clip: float = 0.2
+    eps_clip_high: float | None = None
+    use_tis: bool = False
+    tis_clip: float = 2.0
+    tis_clip_low: float = 0.0
+    use_decoupled_loss: bool = False
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.0
+    kl_loss_type: KLType = "low_var_kl"
+    entropy_coef: float = 0.0
+    use_opsm: bool = False
+    opsm_delta: float = 1e-4
+
+
+@dataclass(slots=True)
+class LossOutput:
+    """`loss` to backpropagate, plus metrics as token-weighted sums (`sums`, with `sums["tokens"]`) and
+    maxima (`maxes`), so micro-batches and ranks reduce them exactly before `finalize_metrics`."""
+
+    loss: torch.Tensor
+    sums: dict[str, float] = field(default_factory=dict)
+    maxes: dict[str, float] = field(default_factory=dict)
+
+
+def policy_loss(
+    *,
+    logp: torch.Tensor,
+    mask: torch.Tensor,
+    advantages: torch.Tensor,
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    settings: LossSettings,
+    num_tokens: float | None = None,
+    ref_logp: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+) -> LossOutput:
+    """The token-mean policy loss of one micro-batch (all [B, T] tensors aligned to targets).
+
+    `logp` = log π of the targets (with grad; `token_log_probs`), `entropy` per token (with grad when
+    entropy_coef > 0; only reported otherwise). Per token: pg = PPO-clip(π/π_old, A) × w, where w is
+      1 (plain PPO), clamp(π_old/π_rollout, tis_clip_low, tis_clip) (`use_tis`), or π_old/π_rollout
+      (`use_decoupled_loss`: AReaL's behaviour weight, clamped likewise when `use_tis` is also on);
+    loss = Σ_mask (pg + kl_coef·KL(π‖π_ref) − entropy_coef·H) / num_tokens (default: this mask's sum).
+    OPSM zeroes the mask of sequences with A < 0 and mean(log π_rollout − log π) > opsm_delta.
+    """
+    s = settings
+    mask = mask.to(torch.float32)
+    if s.use_opsm:
+        seq_tokens = mask.sum(-1).clamp_min(1.0)
+        seq_kl = ((rollout_logp - logp.detach()) * mask).sum(-1) / seq_tokens
+        seq_adv = (advantages * mask).sum(-1) / seq_tokens
+        keep = ~((seq_adv < 0) & (seq_kl > s.opsm_delta))
+        opsm_masked = float(((~keep).float() * (mask.sum(-1) > 0).float()).sum())
+        mask = mask * keep.unsqueeze(-1).to(mask.dtype)
+    denom = float(mask.sum()) if num_tokens is None else float(num_tokens)
+    denom = max(denom, 1.0)
+
+    pg, clipped, ratio = ppo_clip_loss(
+        logp, old_logp, advantages, eps_clip=s.eps_clip, eps_clip_high=s.eps_clip_high
+    )
+    weight: torch.Tensor | None = None
+    if s.use_decoupled_loss:
+        weight = torch.exp(old_logp - rollout_logp).detach()
+        if s.use_tis:
+            weight = weight.clamp(s.tis_clip_low, s.tis_clip)
+    elif s.use_tis:
+        weight = tis_weights(old_logp, rollout_logp, low=s.tis_clip_low, high=s.tis_clip)
+    if weight is not None:
+        pg = pg * weight
+
+    per_token = pg
+    if s.entropy_coef > 0:
+        if entropy is None:
+            raise ValueError("entropy_coef > 0 needs the per-token entropy")
+        per_token = per_token - s.entropy_coef * entropy
+    kl: torch.Tensor | None = None
+    if s.use_kl_loss:
+        if ref_logp is None:
+            raise ValueError("use_kl_loss needs ref_logp")
+        kl = kl_estimate(logp, ref_logp, s.kl_loss_type)
+        per_token = per_token + s.kl_loss_coef * kl
+    loss = (per_token * mask).sum() / denom
+
+    with torch.no_grad():
+
+        def msum(x: torch.Tensor) -> float:
+            return float((x.detach().float() * mask).sum())
+
+        diff = old_logp - rollout_logp  # log(π_old/π_rollout): the train/inference mismatch
+        on = mask > 0
+        sums = {
+            "tokens": float(mask.sum()),
+            "loss": float(loss.detach()) * denom,
+            "pg_loss": msum(pg),
+            "pg_clipfrac": msum(clipped),
+            "ppo_kl": msum(old_logp - logp),
+            "ratio": msum(ratio),
+            "advantage": msum(advantages),
+            "train_rollout_logp_abs_diff": msum(diff.abs()),
+            # k3 estimate of KL(π_rollout‖π_old) from the rollout's own samples: ≥ 0, 0 iff they agree.
+            "train_rollout_kl": msum(torch.exp(diff) - 1 - diff),
+        }
+        maxes = {"train_rollout_logp_abs_diff_max": float(diff.abs()[on].max()) if on.any() else 0.0}
+        if weight is not None:
+            sums["tis_weight"] = msum(weight)
+            maxes["tis_weight_max"] = float(weight[on].max()) if on.any() else 0.0
+            sums["tis_clipfrac"] = msum(
+                ((torch.exp(diff) > s.tis_clip) | (torch.exp(diff) < s.tis_clip_low)).float()
+            )
+        if entropy is not None:
+            sums["entropy"] = msum(entropy)
+        if kl is not None:
+            sums["kl_loss"] = msum(kl)
+        if s.use_opsm:
+            sums["opsm_masked_seqs"] = opsm_masked
+    return LossOutput(loss=loss, sums=sums, maxes=maxes)
+
+
+def finalize_metrics(sums: Mapping[str, float], maxes: Mapping[str, float]) -> dict[str, float]:
+    """Token means from reduced sums (`loss` is per token of the whole batch), maxima as they are."""
+    tokens = max(sums.get("tokens", 0.0), 1.0)
+    out: dict[str, float] = {}
+    for key, value in sums.items():
+        if key in ("tokens", "opsm_masked_seqs"):
+            out[key] = value
+        else:
+            out[key] = value / tokens
+    out.update(maxes)
+    return {k: (v if math.isfinite(v) else float("nan")) for k, v in out.items()}
+
+
+# -- micro-batches ---------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class TrainRow:
+    """One sample as a rank trains it: prompt+response ids and per-response-token data."""
+
+    tokens: torch.Tensor  # [L] int64
+    response_length: int
+    loss_mask: torch.Tensor  # [R]
+    rollout_logp: torch.Tensor  # [R] float32
+    advantage: float
+    opt_step: int = 0  # which optimizer step of the rollout this sample belongs to
+
+
+@dataclass(slots=True)
+class MicroBatch:
+    """Right-padded rows, with every per-token tensor [B, T−1] aligned to targets (see module doc)."""
+
+    input_ids: torch.Tensor  # [B, T] int64
+    attention_mask: torch.Tensor  # [B, T] int64
+    targets: torch.Tensor  # [B, T-1] int64
+    mask: torch.Tensor  # [B, T-1] float32
+    rollout_logp: torch.Tensor  # [B, T-1] float32
+    advantages: torch.Tensor  # [B, T-1] float32
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.attention_mask.sum())
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        return MicroBatch(
+            *(
+                t.to(device)
+                for t in (
+                    self.input_ids,
+                    self.attention_mask,
+                    self.targets,
+                    self.mask,
+                    self.rollout_logp,
+                    self.advantages,
+                )
+            )
+        )
+
+    def masked_out(self) -> MicroBatch:
+        """The same shapes with nothing trained: a filler step that keeps collectives in lockstep."""
+        return MicroBatch(
+            self.input_ids,
+            self.attention_mask,
+            self.targets,
+            torch.zeros_like(self.mask),
+            self.rollout_logp,
+            self.advantages,
+        )
+
+
+def collate(rows: Sequence[TrainRow], *, pad_id: int = 0) -> MicroBatch:
+    """Pad `rows` to one [B, T] batch. Response token j of a row with L tokens and R response tokens is
+    token L−R+j, predicted at target index L−R−1+j."""
+    if not rows:
+        raise ValueError("empty micro-batch")
+    t = max(int(r.tokens.numel()) for r in rows)
+    b = len(rows)
+    input_ids = torch.full((b, t), pad_id, dtype=torch.long)
+    attention = torch.zeros((b, t), dtype=torch.long)
+    mask = torch.zeros((b, t - 1))
+    rollout = torch.zeros((b, t - 1))
+    adv = torch.zeros((b, t - 1))
+    for i, row in enumerate(rows):
+        n, r = int(row.tokens.numel()), row.response_length
+        if r and n - r < 1:
+            raise ValueError("a sample needs at least one prompt token before its response")
+        input_ids[i, :n] = row.tokens
+        attention[i, :n] = 1
+        if r:
+            mask[i, n - r - 1 : n - 1] = row.loss_mask.float()
+            rollout[i, n - r - 1 : n - 1] = row.rollout_logp.float()
+            adv[i, n - r - 1 : n - 1] = row.advantage
+    return MicroBatch(input_ids, attention, input_ids[:, 1:].clone(), mask, rollout, adv)
+
+
+def split_micro_batches(
+    rows: Sequence[TrainRow], *, micro_batch_size: int, max_tokens: int | None = None
+) -> list[list[TrainRow]]:
+    """Rows in order, `micro_batch_size` at a time, or greedily packed up to `max_tokens` padded tokens
+    per micro-batch (a row longer than the budget gets a micro-batch of its own)."""
+    if max_tokens is None:
+        return [list(rows[i : i + micro_batch_size]) for i in range(0, len(rows), micro_batch_size)]
+    out: list[list[TrainRow]] = []
+    cur: list[TrainRow] = []
+    longest = 0
+    for row in rows:
+        n = int(row.tokens.numel())
+        if cur and max(longest, n) * (len(cur) + 1) > max_tokens:
+            out.append(cur)
+            cur, longest = [], 0
+        cur.append(row)
+        longest = max(longest, n)
+    if cur:
+        out.append(cur)
+    return out
+
+
+@dataclass(slots=True)
+class StepShards:
+    """A rollout's samples, ready for the ranks: rows per data-parallel rank, and for each optimizer
+    step the masked-token count of its whole global batch (the loss denominator)."""
+
+    shards: list[list[TrainRow]]
+    num_tokens: list[float]
+    advantages: list[float]
+
+
+def shard_batch(
+    batch: Sequence[Sequence[Sample]],
+    *,
+    estimator: Estimator,
+    std_normalization: bool,
+    reward_key: str | None,
+    global_batch_size: int,
+    dp_size: int,
+) -> StepShards:
+    """Advantages over all of the step's groups (so every rank sees the same ones), then samples in
+    order: optimizer step j takes samples [j·gbs, (j+1)·gbs), and dp rank d its d-th equal slice."""
+    samples = [s for g in batch for s in g]
+    rewards = [[scalar_reward(s.reward, reward_key) for s in g] for g in batch]
+    grouped = compute_advantages(rewards, estimator, std_normalization=std_normalization)
+    advantages = [a for g in grouped for a in g]
+    per_dp = global_batch_size // dp_size
+    shards: list[list[TrainRow]] = [[] for _ in range(dp_size)]
+    num_tokens = [0.0] * (len(samples) // global_batch_size)
+    for i, (s, adv) in enumerate(zip(samples, advantages, strict=True)):
+        s.validate()
+        j = i // global_batch_size
+        row = TrainRow(
+            tokens=torch.tensor(s.tokens, dtype=torch.int64),
+            response_length=s.response_length,
+            loss_mask=torch.tensor(s.loss_mask, dtype=torch.float32),
+            rollout_logp=torch.tensor(s.rollout_log_probs, dtype=torch.float32),
+            advantage=adv,
+            opt_step=j,
+        )
+        shards[(i % global_batch_size) // per_dp].append(row)
+        num_tokens[j] += float(sum(s.loss_mask))
+    return StepShards(shards, num_tokens, advantages)

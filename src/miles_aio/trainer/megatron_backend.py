@@ -1,0 +1,302 @@
+"""`MegatronBackend`: an HF Llama checkpoint trained as a megatron-core GPTModel (local layer spec, TP).
+
+Used by `rank_main` when `--train-backend megatron`. Construction reads the HF `config.json`, builds
+`GPTModel` with tensor parallelism (`--tensor-model-parallel-size`), and loads the HF weights through the
+HF ↔ Megatron conversion below, so the engines, checkpoints and exports keep speaking HF names:
+
+    model.embed_tokens / lm_head            ↔ embedding.word_embeddings / output_layer (vocab rows, padded
+                                              to a multiple of TP, split by rows)
+    layers.i.self_attn.{q,k,v}_proj         ↔ decoder.layers.i.self_attention.linear_qkv: per query group
+                                              [q heads of the group; k; v], groups split by TP rank
+    layers.i.self_attn.o_proj               ↔ …linear_proj (split by columns)
+    layers.i.mlp.{gate,up}_proj             ↔ …mlp.linear_fc1: per TP rank [gate shard; up shard]
+    layers.i.mlp.down_proj                  ↔ …mlp.linear_fc2 (split by columns)
+    layers.i.{input,post_attention}_layernorm, model.norm ↔ input_layernorm, pre_mlp_layernorm,
+                                              decoder.final_layernorm (replicated)
+
+Data parallelism: gradients are all-reduced (averaged) over the data-parallel group after each
+optimizer step's last micro-batch. The optimizer is torch AdamW with a hand-rolled TP-aware gradient
+clip (megatron's own clip asserts CUDA tensors). Optimizer checkpoints are per rank, so a megatron run
+resumes on the same TP × DP layout. Pipeline parallelism is not implemented (`TrainConfig` refuses
+--pipeline-model-parallel-size > 1): the rank command loop drives whole-model forwards.
+On a machine without CUDA, `_megatron_cpu_shim.apply()` patches megatron's CUDA-only plumbing first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from miles_aio.trainer import losses, protocol
+from miles_aio.trainer.config import TrainConfig
+
+__all__ = ["MegatronBackend"]
+
+
+class MegatronBackend:
+    """The `rank_main.ModelBackend` over megatron-core."""
+
+    optim_sharded = True  # each rank saves its own optimizer shard
+
+    def __init__(self, cfg: TrainConfig, *, device: torch.device, world: int) -> None:
+        import megatron.core  # type: ignore[import-untyped,import-not-found,unused-ignore]  # noqa: F401
+
+        from miles_aio.trainer import _megatron_cpu_shim
+
+        _megatron_cpu_shim.apply()
+        from megatron.core import parallel_state as ps  # type: ignore[import-untyped,import-not-found,unused-ignore]
+        from megatron.core.models.gpt import GPTModel  # type: ignore[import-untyped,import-not-found,unused-ignore]
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # type: ignore[import-untyped,import-not-found,unused-ignore]
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # type: ignore[import-untyped,import-not-found,unused-ignore]
+        from megatron.core.transformer.transformer_config import TransformerConfig  # type: ignore[import-untyped,import-not-found,unused-ignore]
+
+        if cfg.pipeline_model_parallel_size != 1:
+            raise NotImplementedError("the megatron backend does not implement pipeline parallelism yet")
+        assert cfg.hf_checkpoint is not None
+        self.hf_source = cfg.hf_checkpoint
+        self.device = device
+        tp = cfg.tensor_model_parallel_size
+        if not ps.model_parallel_is_initialized():
+            ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
+        model_parallel_cuda_manual_seed(cfg.seed)
+        self._ps = ps
+        self.tp, self.tp_rank = tp, ps.get_tensor_model_parallel_rank()
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.dp_group: dist.ProcessGroup | None = ps.get_data_parallel_group()
+        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.wrapper = f"megatron(tp={tp},dp={self.dp_size})"
+
+        hf = json.loads((cfg.hf_checkpoint / "config.json").read_text())
+        self.h, self.nh, self.ng = hf["hidden_size"], hf["num_attention_heads"], hf["num_key_value_heads"]
+        self.hd = hf.get("head_dim") or self.h // self.nh
+        self.layers, self.inter, self.vocab = (
+            hf["num_hidden_layers"],
+            hf["intermediate_size"],
+            hf["vocab_size"],
+        )
+        self.tied = bool(hf.get("tie_word_embeddings", False))
+        self.vocab_padded = math.ceil(self.vocab / tp) * tp
+        rope = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        config = TransformerConfig(
+            num_layers=self.layers,
+            hidden_size=self.h,
+            num_attention_heads=self.nh,
+            num_query_groups=self.ng,
+            ffn_hidden_size=self.inter,
+            kv_channels=self.hd,
+            normalization="RMSNorm",
+            layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            use_cpu_initialization=True,
+            params_dtype=torch.float32,
+            pipeline_dtype=torch.float32,
+            tensor_model_parallel_size=tp,
+            bf16=False,  # fp32 params; on GPU the forward runs under bf16 autocast
+            apply_rope_fusion=False,
+            bias_activation_fusion=False,
+            masked_softmax_fusion=False,
+            gradient_accumulation_fusion=False,
+            persist_layer_norm=False,
+        )
+
+        def build() -> Any:
+            model = GPTModel(
+                config,
+                get_gpt_layer_local_spec(normalization="RMSNorm"),
+                vocab_size=self.vocab_padded,
+                max_sequence_length=hf.get("max_position_embeddings", 4096),
+                position_embedding_type="rope",
+                rotary_base=rope,
+                share_embeddings_and_output_weights=self.tied,
+                parallel_output=False,
+            )
+            return model.to(device)
+
+        self.model = build()
+        initial = protocol.read_hf_dir(cfg.hf_checkpoint)
+        self.load_hf_tensors(initial)
+        self.ref: Any = None
+        if cfg.use_kl_loss:
+            self.ref = build()
+            _load_into(self.ref, self._to_megatron(initial))
+            self.ref.requires_grad_(False)
+        self.optimizer: torch.optim.Optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=cfg.lr,
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
+            eps=cfg.adam_eps,
+            weight_decay=cfg.weight_decay,
+        )
+
+    # -- forward / backward ----------------------------------------------------------------------------------
+    def _forward(self, model: Any, mb: losses.MicroBatch) -> torch.Tensor:
+        b, t = mb.input_ids.shape
+        causal = torch.triu(torch.ones(t, t, dtype=torch.bool, device=self.device), 1)
+        pad = mb.attention_mask == 0  # True = masked out, megatron's convention
+        mask = (causal[None, None] | pad[:, None, None, :]).expand(b, 1, t, t)
+        pos = torch.arange(t, device=self.device)[None].expand(b, t)
+        cuda = self.device.type == "cuda"
+        with torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext():
+            logits: torch.Tensor = model(mb.input_ids, pos, mask)
+        return logits[:, :-1, : self.vocab]  # drop the TP vocab padding
+
+    def logits(self, mb: losses.MicroBatch) -> torch.Tensor:
+        return self._forward(self.model, mb)
+
+    def ref_logits(self, mb: losses.MicroBatch) -> torch.Tensor:
+        return self._forward(self.ref, mb)
+
+    @contextlib.contextmanager
+    def no_sync(self, skip: bool) -> Iterator[None]:
+        yield
+        if not skip and self.dp_size > 1:  # the optimizer step's last micro-batch: average over DP
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=self.dp_group)
+                    p.grad /= self.dp_size
+
+    def clip_grad(self, max_norm: float) -> float:
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate  # type: ignore[import-untyped,import-not-found,unused-ignore]
+
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for p in params:
+            if param_is_not_tensor_parallel_duplicate(p):  # count each replicated norm weight once
+                sq += p.grad.detach().double().pow(2).sum()
+        dist.all_reduce(sq, group=self.tp_group)
+        norm = float(sq.sqrt())
+        if max_norm > 0 and norm > max_norm:
+            for p in params:
+                p.grad.mul_(max_norm / (norm + 1e-6))
+        return norm
+
+    # -- HF ↔ Megatron --------------------------------------------------------------------------------
+    def _table(self) -> list[tuple[str, str, str]]:
+        """(HF name, Megatron name, how it is laid out) for every HF tensor."""
+        rows = [("model.embed_tokens.weight", "embedding.word_embeddings.weight", "vocab")]
+        for i in range(self.layers):
+            hp, mp = f"model.layers.{i}.", f"decoder.layers.{i}."
+            rows += [
+                (hp + "input_layernorm.weight", mp + "input_layernorm.weight", "rep"),
+                (hp + "self_attn.q_proj.weight", mp + "self_attention.linear_qkv.weight", "q"),
+                (hp + "self_attn.k_proj.weight", mp + "self_attention.linear_qkv.weight", "k"),
+                (hp + "self_attn.v_proj.weight", mp + "self_attention.linear_qkv.weight", "v"),
+                (hp + "self_attn.o_proj.weight", mp + "self_attention.linear_proj.weight", "col"),
+                (hp + "post_attention_layernorm.weight", mp + "pre_mlp_layernorm.weight", "rep"),
+                (hp + "mlp.gate_proj.weight", mp + "mlp.linear_fc1.weight", "gate"),
+                (hp + "mlp.up_proj.weight", mp + "mlp.linear_fc1.weight", "up"),
+                (hp + "mlp.down_proj.weight", mp + "mlp.linear_fc2.weight", "col"),
+            ]
+        rows.append(("model.norm.weight", "decoder.final_layernorm.weight", "rep"))
+        if not self.tied:
+            rows.append(("lm_head.weight", "output_layer.weight", "vocab"))
+        return rows
+
+    def _to_megatron(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This TP rank's shard of every Megatron tensor, from full HF tensors."""
+        r, tp, g = self.tp_rank, self.tp, self.ng
+        out: dict[str, torch.Tensor] = {}
+        for i in range(self.layers):
+            hp, mp = f"model.layers.{i}.self_attn.", f"decoder.layers.{i}."
+            q = hf[hp + "q_proj.weight"].reshape(g, -1, self.h)
+            k, v = (hf[hp + n].reshape(g, -1, self.h) for n in ("k_proj.weight", "v_proj.weight"))
+            out[mp + "self_attention.linear_qkv.weight"] = (
+                torch.cat([q, k, v], 1).chunk(tp)[r].reshape(-1, self.h)
+            )
+            gate, up = (
+                hf[f"model.layers.{i}.mlp.gate_proj.weight"],
+                hf[f"model.layers.{i}.mlp.up_proj.weight"],
+            )
+            out[mp + "mlp.linear_fc1.weight"] = torch.cat([gate.chunk(tp)[r], up.chunk(tp)[r]])
+        for hf_name, m_name, kind in self._table():
+            t = hf[hf_name]
+            if kind == "rep":
+                out[m_name] = t
+            elif kind == "col":
+                out[m_name] = t.chunk(tp, dim=1)[r]
+            elif kind == "vocab":
+                padded = torch.zeros(self.vocab_padded, t.shape[1], dtype=t.dtype)
+                padded[: self.vocab] = t
+                out[m_name] = padded.chunk(tp)[r]
+        return out
+
+    def _gather(self, shard: torch.Tensor, dim: int) -> torch.Tensor:
+        if self.tp == 1:
+            return shard.detach().cpu()
+        parts = [torch.empty_like(shard) for _ in range(self.tp)]
+        dist.all_gather(parts, shard.detach().contiguous(), group=self.tp_group)
+        return torch.cat([p.cpu() for p in parts], dim)
+
+    def hf_tensors(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Full HF tensors (a TP collective: every rank of the TP group must call it with the same names)."""
+        params = dict(self.model.named_parameters())
+        table = {hf: (m, kind) for hf, m, kind in self._table()}
+        per_group = (self.nh // self.ng + 2) * self.hd
+        out: dict[str, torch.Tensor] = {}
+        for name in names:
+            m_name, kind = table[name]
+            p = params[m_name]
+            if kind == "rep":
+                out[name] = p.detach().cpu().clone()
+            elif kind == "col":
+                out[name] = self._gather(p, 1)
+            elif kind == "vocab":
+                out[name] = self._gather(p, 0)[: self.vocab]
+            elif kind in ("q", "k", "v"):
+                qkv = self._gather(p, 0).reshape(self.ng, per_group, self.h)
+                nq = self.nh // self.ng * self.hd
+                part = {"q": qkv[:, :nq], "k": qkv[:, nq : nq + self.hd], "v": qkv[:, nq + self.hd :]}[kind]
+                out[name] = part.reshape(-1, self.h).contiguous()
+            else:  # gate / up: each rank holds [gate shard; up shard]
+                halves = [t.chunk(2) for t in self._gather(p, 0).chunk(self.tp)]
+                out[name] = torch.cat([h[0 if kind == "gate" else 1] for h in halves]).contiguous()
+        return out
+
+    def weight_meta(self) -> list[tuple[str, torch.dtype, list[int]]]:
+        shapes = {
+            "vocab": [self.vocab, self.h],
+            "rep": [self.h],
+            "q": [self.nh * self.hd, self.h],
+            "k": [self.ng * self.hd, self.h],
+            "v": [self.ng * self.hd, self.h],
+            "gate": [self.inter, self.h],
+            "up": [self.inter, self.h],
+        }
+        out = []
+        for hf_name, _, kind in self._table():
+            if kind == "col":
+                shape = [self.h, self.nh * self.hd] if "o_proj" in hf_name else [self.h, self.inter]
+            else:
+                shape = shapes[kind]
+            out.append((hf_name, torch.float32, shape))
+        return out
+
+    def load_hf_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        _load_into(self.model, self._to_megatron(tensors))
+
+    def optim_state(self) -> dict[str, Any]:
+        return dict(self.optimizer.state_dict())
+
+    def load_optim_state(self, state: dict[str, Any]) -> None:
+        state = {
+            "state": {int(k): v for k, v in state["state"].items()},
+            "param_groups": state["param_groups"],
+        }
+        self.optimizer.load_state_dict(state)
+
+
+def _load_into(model: Any, tensors: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(tensors[name].to(p.dtype))

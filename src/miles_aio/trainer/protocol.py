@@ -1,0 +1,339 @@
+"""Formats of the trainer: the controller ↔ rank channel (handshake bytes, message frames, batches) and
+the files ranks write (HF model directories, optimizer state). No socket I/O here.
+
+Handshake (fixed-size raw bytes; nothing is parsed before the peer has proven it holds the secret):
+
+    controller → rank   HELLO    = b"MAIO1" ‖ server_nonce[32]
+    rank → controller   RESPONSE = client_nonce[32] ‖ rank:u32 ‖ HMAC(secret, "rank" ‖ sn ‖ cn ‖ rank)[32]
+    controller → rank   PROOF    = HMAC(secret, "controller" ‖ cn ‖ sn)[32]
+
+HMAC-SHA256 with a per-run random secret: the rank proves itself before the controller decodes a frame,
+and the controller proves itself before the rank does (a rank executes what it is told, so it must not
+obey an impostor). Fresh nonces on both sides make replayed transcripts useless.
+
+Frames after the handshake: `header_len:u32 ‖ blob_len:u64 ‖ header (UTF-8 JSON) ‖ blob`. The header is
+a JSON object; its `"tensors"` entry lists `[name, dtype, shape, offset, nbytes]` of raw tensor bytes in
+the blob (little-endian, C order, each 64-byte aligned). No pickle anywhere: decoding never runs code.
+
+Messages (`header["op"]`): controller → rank: init, train, logprobs, get_weights, weight_meta,
+save_hf, bcast_init, bcast_bucket, save, load, export_hf, shutdown. Rank → controller: ok (a reply, with
+results) or error (type, message, traceback; the rank exits non-zero right after).
+
+Files: weights are HF directories (config/tokenizer copied from the initial checkpoint +
+`model.safetensors`, HF names), written to a temporary sibling and renamed. Optimizer state is
+safetensors (tensors keyed `fqn\nkey`) plus JSON (param groups, scalars): a checkpoint loads no pickle.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import math
+import os
+import secrets
+import shutil
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from miles_aio.trainer.losses import TrainRow
+
+__all__ = [
+    "FRAME_PREFIX",
+    "HELLO_LEN",
+    "MAX_BLOB_BYTES",
+    "MAX_HEADER_BYTES",
+    "PROOF_LEN",
+    "RESPONSE_LEN",
+    "SECRET_ENV",
+    "Message",
+    "ProtocolError",
+    "check_proof",
+    "check_response",
+    "controller_proof",
+    "decode_batch",
+    "decode_frame",
+    "encode_batch",
+    "encode_frame",
+    "hello",
+    "load_optim_state",
+    "new_secret",
+    "parse_frame_prefix",
+    "prune_snapshots",
+    "rank_response",
+    "read_hf_dir",
+    "save_optim_state",
+    "secret_from_env",
+    "weight_buckets",
+    "write_hf_dir",
+]
+
+SECRET_ENV: Final = "MILES_AIO_TRAINER_SECRET"
+"""Environment variable carrying the run's secret (hex) to rank processes."""
+_MAGIC: Final = b"MAIO1"
+_NONCE: Final = 32
+_MAC: Final = 32
+HELLO_LEN: Final = len(_MAGIC) + _NONCE
+RESPONSE_LEN: Final = _NONCE + 4 + _MAC
+PROOF_LEN: Final = _MAC
+FRAME_PREFIX: Final = struct.Struct("!IQ")
+MAX_HEADER_BYTES: Final = 64 * 1024**2
+MAX_BLOB_BYTES: Final = 1 << 40
+_ALIGN: Final = 64
+
+
+class ProtocolError(Exception):
+    """A malformed handshake or frame (the connection is dropped)."""
+
+
+@dataclass(slots=True)
+class Message:
+    """One frame: a JSON header and named tensors."""
+
+    header: dict[str, Any]
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def op(self) -> str:
+        return str(self.header.get("op", ""))
+
+
+# -- secrets and handshake -------------------------------------------------------------------------------
+def new_secret() -> bytes:
+    return secrets.token_bytes(32)
+
+
+def secret_from_env(env: Mapping[str, str] | None = None) -> bytes | None:
+    raw = (os.environ if env is None else env).get(SECRET_ENV)
+    if not raw:
+        return None
+    try:
+        secret = bytes.fromhex(raw)
+    except ValueError as exc:
+        raise ProtocolError(f"{SECRET_ENV} must be hex") from exc
+    if len(secret) < 16:
+        raise ProtocolError(f"{SECRET_ENV} must hold at least 16 bytes")
+    return secret
+
+
+def _mac(secret: bytes, *parts: bytes) -> bytes:
+    return hmac.new(secret, b"".join(parts), hashlib.sha256).digest()
+
+
+def hello() -> tuple[bytes, bytes]:
+    """(server_nonce, the HELLO bytes to send)."""
+    nonce = secrets.token_bytes(_NONCE)
+    return nonce, _MAGIC + nonce
+
+
+def rank_response(secret: bytes, hello_bytes: bytes, rank: int) -> tuple[bytes, bytes]:
+    """Rank side: (client_nonce, the RESPONSE bytes) for a HELLO."""
+    if len(hello_bytes) != HELLO_LEN or not hello_bytes.startswith(_MAGIC):
+        raise ProtocolError("not a miles_aio controller (bad hello)")
+    server_nonce = hello_bytes[len(_MAGIC) :]
+    client_nonce = secrets.token_bytes(_NONCE)
+    rank_bytes = struct.pack("!I", rank)
+    return client_nonce, client_nonce + rank_bytes + _mac(
+        secret, b"rank", server_nonce, client_nonce, rank_bytes
+    )
+
+
+def check_response(secret: bytes, server_nonce: bytes, response: bytes) -> tuple[int, bytes]:
+    """Controller side: verify a RESPONSE (constant time) → (rank, client_nonce); ProtocolError if bad."""
+    if len(response) != RESPONSE_LEN:
+        raise ProtocolError("short handshake response")
+    client_nonce, rank_bytes, mac = response[:_NONCE], response[_NONCE : _NONCE + 4], response[_NONCE + 4 :]
+    if not hmac.compare_digest(mac, _mac(secret, b"rank", server_nonce, client_nonce, rank_bytes)):
+        raise ProtocolError("handshake MAC mismatch (wrong secret)")
+    (rank,) = struct.unpack("!I", rank_bytes)  # only now, after the MAC held
+    return rank, client_nonce
+
+
+def controller_proof(secret: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    return _mac(secret, b"controller", client_nonce, server_nonce)
+
+
+def check_proof(secret: bytes, hello_bytes: bytes, client_nonce: bytes, proof: bytes) -> None:
+    """Rank side: raise ProtocolError unless the controller proved it holds the secret."""
+    server_nonce = hello_bytes[len(_MAGIC) :]
+    if not hmac.compare_digest(proof, controller_proof(secret, server_nonce, client_nonce)):
+        raise ProtocolError("the controller could not prove the secret")
+
+
+# -- frames ------------------------------------------------------------------------------------------------
+def encode_frame(
+    header: Mapping[str, Any], tensors: Mapping[str, torch.Tensor] | None = None
+) -> list[bytes | memoryview]:
+    """A message as buffers to write in order (tensor bytes are not copied into one big buffer)."""
+    entries: list[list[Any]] = []
+    chunks: list[bytes | memoryview] = []
+    offset = 0
+    for name, t in (tensors or {}).items():
+        t = t.detach().to("cpu").contiguous()
+        nbytes = t.numel() * t.element_size()
+        pad = -offset % _ALIGN
+        if pad:
+            chunks.append(bytes(pad))
+            offset += pad
+        entries.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), offset, nbytes])
+        if nbytes:
+            # A uint8 view exposes the raw bytes of any dtype (bf16 included, which numpy lacks).
+            chunks.append(t.reshape(-1).view(torch.uint8).numpy().data)  # no copy
+        offset += nbytes
+    head = json.dumps({**header, "tensors": entries}, separators=(",", ":")).encode()
+    if len(head) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(head)} bytes exceeds {MAX_HEADER_BYTES}")
+    return [FRAME_PREFIX.pack(len(head), offset), head, *chunks]
+
+
+def parse_frame_prefix(prefix: bytes) -> tuple[int, int]:
+    head_len, blob_len = FRAME_PREFIX.unpack(prefix)
+    if head_len > MAX_HEADER_BYTES or blob_len > MAX_BLOB_BYTES:
+        raise ProtocolError(f"frame too large: header {head_len} B, blob {blob_len} B")
+    return head_len, blob_len
+
+
+def decode_frame(head: bytes, blob: bytearray) -> Message:
+    """Parse a header and rebuild its tensors over `blob` (zero-copy; `blob` must stay alive)."""
+    try:
+        header = json.loads(head)
+    except ValueError as exc:
+        raise ProtocolError(f"bad frame header: {exc}") from exc
+    if not isinstance(header, dict):
+        raise ProtocolError("frame header is not an object")
+    tensors: dict[str, torch.Tensor] = {}
+    for entry in header.pop("tensors", []):
+        try:
+            name, dtype_name, shape, offset, nbytes = entry
+            shape, offset, nbytes = [int(d) for d in shape], int(offset), int(nbytes)
+        except (TypeError, ValueError) as exc:
+            raise ProtocolError(f"bad tensor entry {entry!r}") from exc
+        dtype = getattr(torch, str(dtype_name), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ProtocolError(f"unknown dtype {dtype_name!r}")
+        if offset < 0 or offset + nbytes > len(blob):
+            raise ProtocolError(f"tensor {name!r} lies outside the frame")
+        if min(shape, default=0) < 0 or math.prod(shape) * dtype.itemsize != nbytes:
+            raise ProtocolError(f"tensor {name!r}: {nbytes} bytes for shape {shape} of {dtype_name}")
+        if nbytes == 0:
+            tensors[name] = torch.empty(shape, dtype=dtype)
+            continue
+        raw = torch.frombuffer(blob, dtype=torch.uint8, count=nbytes, offset=offset)
+        tensors[name] = raw.view(dtype).reshape(shape)
+    return Message(header, tensors)
+
+
+# -- training batches ------------------------------------------------------------------------------------
+def encode_batch(rows: Sequence[TrainRow]) -> dict[str, torch.Tensor]:
+    """A rank's shard as flat tensors (ids, lengths, per-token arrays concatenated)."""
+    if not rows:
+        raise ValueError("empty shard")
+    return {
+        "tokens": torch.cat([r.tokens.to(torch.int64) for r in rows]),
+        "lengths": torch.tensor([r.tokens.numel() for r in rows], dtype=torch.int64),
+        "response_lengths": torch.tensor([r.response_length for r in rows], dtype=torch.int64),
+        "loss_mask": torch.cat([r.loss_mask.to(torch.float32) for r in rows]),
+        "rollout_logp": torch.cat([r.rollout_logp.to(torch.float32) for r in rows]),
+        "advantages": torch.tensor([r.advantage for r in rows], dtype=torch.float64),
+        "opt_steps": torch.tensor([r.opt_step for r in rows], dtype=torch.int64),
+    }
+
+
+def decode_batch(t: Mapping[str, torch.Tensor]) -> list[TrainRow]:
+    try:
+        lengths, resp = t["lengths"].tolist(), t["response_lengths"].tolist()
+        tokens = torch.split(t["tokens"], lengths)
+        masks = torch.split(t["loss_mask"], resp)
+        logps = torch.split(t["rollout_logp"], resp)
+        advs, steps = t["advantages"].tolist(), t["opt_steps"].tolist()
+        return [
+            TrainRow(tokens[i], resp[i], masks[i], logps[i], advs[i], steps[i]) for i in range(len(lengths))
+        ]
+    except (KeyError, RuntimeError) as exc:
+        raise ProtocolError(f"malformed batch: {exc}") from exc
+
+
+# -- disk formats (checkpoints and weight snapshots; safetensors + JSON, no pickle) -----------------------
+_WEIGHT_FILES: Final = (".safetensors", ".bin", ".pt", ".pth")
+_WEIGHT_INDEXES: Final = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def write_hf_dir(tensors: Mapping[str, torch.Tensor], out: Path, *, source: Path) -> None:
+    """An HF model directory at `out`: `source`'s config/tokenizer files + `model.safetensors`, written
+    to a temporary sibling and renamed, so a reader (an engine) never sees a half-written snapshot."""
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in source.iterdir():
+        if f.is_file() and not f.name.endswith(_WEIGHT_FILES) and f.name not in _WEIGHT_INDEXES:
+            shutil.copy2(f, tmp / f.name)
+    contiguous = {k: v.detach().contiguous() for k, v in tensors.items()}
+    # transformers refuses safetensors files without the "format" marker
+    save_file(contiguous, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+
+
+def read_hf_dir(model_dir: Path) -> dict[str, torch.Tensor]:
+    """All tensors of an HF safetensors directory (single file or shards)."""
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def prune_snapshots(directory: Path, keep: int) -> None:
+    """Delete all but the `keep` newest snapshot directories under `directory`."""
+    snaps = [p for p in directory.iterdir() if p.is_dir() and not p.name.endswith(".tmp")]
+    snaps.sort(key=lambda p: p.stat().st_mtime)
+    for old in snaps[: max(0, len(snaps) - keep)]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def save_optim_state(state: Mapping[str, Any], stem: Path) -> None:
+    """A full optimizer state dict as `<stem>.safetensors` (tensors, keyed `param\\nkey`) and
+    `<stem>.json` (param groups and non-tensor state)."""
+    flat: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for param, entry in state["state"].items():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                flat[f"{param}\n{key}"] = value.detach().cpu().contiguous()
+            else:
+                scalars.setdefault(str(param), {})[key] = value
+    save_file(flat, str(stem.with_suffix(".safetensors")))
+    rest = {"param_groups": state["param_groups"], "scalars": scalars}
+    stem.with_suffix(".json").write_text(json.dumps(rest))
+
+
+def load_optim_state(stem: Path) -> dict[str, Any]:
+    """Inverse of `save_optim_state` (parameter keys come back as strings)."""
+    rest = json.loads(stem.with_suffix(".json").read_text())
+    state: dict[str, dict[str, Any]] = {param: dict(v) for param, v in rest["scalars"].items()}
+    for key, value in load_file(str(stem.with_suffix(".safetensors"))).items():
+        param, name = key.split("\n", 1)
+        state.setdefault(param, {})[name] = value
+    return {"state": state, "param_groups": rest["param_groups"]}
+
+
+def weight_buckets(
+    names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]], limit: int
+) -> list[list[str]]:
+    """Tensor names in order, grouped so each group holds ≤ `limit` bytes (a bigger tensor goes alone)."""
+    out: list[list[str]] = [[]]
+    size = 0
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        nbytes = getattr(torch, dtype).itemsize * math.prod(shape)
+        if out[-1] and size + nbytes > limit:
+            out.append([])
+            size = 0
+        out[-1].append(name)
+        size += nbytes
+    return out

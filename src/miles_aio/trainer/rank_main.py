@@ -1,0 +1,499 @@
+"""A trainer rank: `python -m miles_aio.trainer.rank_main` (spawned by `TrainerActor`, or under torchrun).
+
+A plain synchronous command loop, no asyncio. It dials the controller (`MILES_AIO_CONTROLLER_ADDR` =
+host:port, secret in `MILES_AIO_TRAINER_SECRET`, identity from RANK/WORLD_SIZE/LOCAL_RANK and the
+rendezvous from MASTER_ADDR/MASTER_PORT, as torchrun sets them), proves the secret, then repeats:
+block on the next command → run it (collectives with the other ranks inside) → reply `ok` with results.
+
+Consumes: `init` (the TrainConfig) once, then train / logprobs / get_weights / weight_meta / save_hf /
+bcast_init / bcast_bucket / save / load / export_hf, and `shutdown`. Produces: one reply per command
+(rank 0's carry the results the controller uses; every rank replies so the controller knows all are
+done). Waits for: the controller's next frame, and the other ranks inside collectives.
+
+Failure: any exception is sent to the controller as `{"op": "error", traceback}` and the process exits
+1; EOF from the controller (it died) exits 3; if spawned by the actor, the rank also dies with it
+(PR_SET_PDEATHSIG), so no rank outlives a killed controller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from contextlib import AbstractContextManager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from miles_aio.trainer import losses, protocol
+from miles_aio.trainer.channel import BlockingChannel, connect
+from miles_aio.trainer.config import TrainConfig
+from miles_aio.trainer.protocol import Message
+
+__all__ = ["HFBackend", "ModelBackend", "RankWorker", "main"]
+
+CONTROLLER_ENV = "MILES_AIO_CONTROLLER_ADDR"
+PARENT_ENV = "MILES_AIO_PARENT_PID"
+THREADS_ENV = "MILES_AIO_RANK_THREADS"
+Reply = tuple[dict[str, Any], dict[str, torch.Tensor]]
+"""A command's reply: header fields and tensors."""
+
+
+class ModelBackend(Protocol):
+    """What a training backend gives the command loop (HF under FSDP2/DDP here; megatron-core in
+    `megatron_backend`). Tensor names are always HF names, so sync and checkpoints are backend-free."""
+
+    wrapper: str
+    dp_rank: int
+    dp_size: int
+    dp_group: dist.ProcessGroup | None
+    optimizer: torch.optim.Optimizer
+    hf_source: Path
+
+    def logits(self, mb: losses.MicroBatch) -> torch.Tensor: ...
+    def ref_logits(self, mb: losses.MicroBatch) -> torch.Tensor: ...
+    def no_sync(self, skip: bool) -> AbstractContextManager[None]: ...
+    def clip_grad(self, max_norm: float) -> float: ...
+    def weight_meta(self) -> list[tuple[str, torch.dtype, list[int]]]: ...
+    def hf_tensors(self, names: list[str]) -> dict[str, torch.Tensor]: ...
+    def load_hf_tensors(self, tensors: dict[str, torch.Tensor]) -> None: ...
+    def optim_state(self) -> dict[str, Any]: ...
+    def load_optim_state(self, state: dict[str, Any]) -> None: ...
+
+
+class HFBackend:
+    """transformers' AutoModelForCausalLM under FSDP2 `fully_shard` (world > 1 by default), DDP, or bare."""
+
+    def __init__(self, cfg: TrainConfig, *, device: torch.device, world: int) -> None:
+        from torch.distributed.checkpoint import state_dict as dcp_sd
+        from transformers import AutoModelForCausalLM
+
+        self._dcp = dcp_sd
+        assert cfg.hf_checkpoint is not None
+        self.hf_source = cfg.hf_checkpoint
+        dtype = torch.float32  # fp32 master weights; on GPU the forward runs under bf16 autocast
+        module: Any = AutoModelForCausalLM.from_pretrained(str(cfg.hf_checkpoint), dtype=dtype)
+        module.to(device)
+        module.config.use_cache = False
+        self.module, self.device = module, device
+        self.dp_rank, self.dp_size = dist.get_rank(), world
+        self.dp_group: dist.ProcessGroup | None = None
+        self.tied = bool(getattr(module.config, "tie_word_embeddings", False))
+        self.wrapper: str = cfg.fsdp_wrap if cfg.fsdp_wrap != "auto" else ("fsdp2" if world > 1 else "none")
+        self.model: torch.nn.Module = module
+        if self.wrapper == "fsdp2":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh(device.type, (world,))
+            for layer in module.model.layers:  # one all-gather per decoder layer, as FSDP2 recommends
+                fully_shard(layer, mesh=mesh)
+            fully_shard(module, mesh=mesh)
+        elif self.wrapper == "ddp":
+            # No buffer broadcast: a forward then issues no collective, so only the synced backward of
+            # each optimizer step has to line up across ranks.
+            self.model = torch.nn.parallel.DistributedDataParallel(
+                module, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False
+            )
+        betas = (cfg.adam_beta1, cfg.adam_beta2)
+        self.optimizer: torch.optim.Optimizer = torch.optim.AdamW(
+            module.parameters(), lr=cfg.lr, betas=betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay
+        )
+        self.ref: Any = None
+        if cfg.use_kl_loss:  # frozen initial policy, full copy per rank (only loaded when the KL is on)
+            self.ref = AutoModelForCausalLM.from_pretrained(str(cfg.hf_checkpoint), dtype=dtype)
+            self.ref.to(device).requires_grad_(False).eval()
+        self._names = [n for n, _ in module.named_parameters()]
+
+    def _forward(self, model: torch.nn.Module, mb: losses.MicroBatch) -> torch.Tensor:
+        cuda = self.device.type == "cuda"
+        with torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext():
+            out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask)
+        logits: torch.Tensor = out.logits
+        return logits[:, :-1]
+
+    def logits(self, mb: losses.MicroBatch) -> torch.Tensor:
+        return self._forward(self.model, mb)
+
+    def ref_logits(self, mb: losses.MicroBatch) -> torch.Tensor:
+        assert self.ref is not None
+        return self._forward(self.ref, mb)
+
+    def no_sync(self, skip: bool) -> AbstractContextManager[None]:
+        if skip and isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+            return self.model.no_sync()
+        return contextlib.nullcontext()
+
+    def clip_grad(self, max_norm: float) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(
+            self.module.parameters(), max_norm if max_norm > 0 else float("inf")
+        )
+        full = getattr(norm, "full_tensor", None)  # a DTensor under FSDP2
+        return float(full() if full is not None else norm)
+
+    def weight_meta(self) -> list[tuple[str, torch.dtype, list[int]]]:
+        params = dict(self.module.named_parameters())  # DTensor shapes are the global shapes
+        return [(n, params[n].dtype, list(params[n].shape)) for n in self._names]
+
+    def hf_tensors(self, names: list[str]) -> dict[str, torch.Tensor]:
+        params = dict(self.module.named_parameters())
+        out: dict[str, torch.Tensor] = {}
+        for name in names:
+            p = params[name].detach()
+            full = getattr(p, "full_tensor", None)
+            out[name] = (full() if full is not None else p).to("cpu")  # collective under FSDP2
+        return out
+
+    def load_hf_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        sd: dict[str, Any] = dict(tensors)
+        if self.tied and "lm_head.weight" not in sd:  # tied checkpoints store the shared matrix once
+            sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+        opts = self._dcp.StateDictOptions(full_state_dict=True)
+        self._dcp.set_model_state_dict(self.module, sd, options=opts)
+
+    def optim_state(self) -> dict[str, Any]:
+        opts = self._dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return dict(self._dcp.get_optimizer_state_dict(self.module, self.optimizer, options=opts))
+
+    def load_optim_state(self, state: dict[str, Any]) -> None:
+        opts = self._dcp.StateDictOptions(full_state_dict=True)
+        self._dcp.set_optimizer_state_dict(self.module, self.optimizer, state, options=opts)
+
+
+class RankWorker:
+    """Executes the controller's commands on this rank (see the module docstring)."""
+
+    def __init__(self, cfg: TrainConfig, *, rank: int, world: int, local_rank: int) -> None:
+        self.cfg, self.rank, self.world = cfg, rank, world
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(local_rank)
+        self.device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+        if not dist.is_initialized():
+            dist.init_process_group(
+                "nccl" if cuda else "gloo",
+                rank=rank,
+                world_size=world,
+                timeout=timedelta(seconds=cfg.dist_timeout_s),
+            )
+        torch.manual_seed(cfg.seed)
+        self.backend: ModelBackend
+        if cfg.train_backend == "megatron":
+            from miles_aio.trainer.megatron_backend import MegatronBackend
+
+            self.backend = MegatronBackend(cfg, device=self.device, world=world)
+        else:
+            self.backend = HFBackend(cfg, device=self.device, world=world)
+        names = [f.name for f in dataclasses.fields(losses.LossSettings)]
+        self.settings = losses.LossSettings(**{n: getattr(cfg, n) for n in names})
+        self.weight_group: dist.ProcessGroup | None = None
+        self.optimizer_steps = 0
+
+    def info(self) -> dict[str, Any]:
+        be = self.backend
+        return {
+            "dp_rank": be.dp_rank,
+            "dp_size": be.dp_size,
+            "wrapper": be.wrapper,
+            "device": str(self.device),
+        }
+
+    def handle(self, msg: Message) -> Reply:
+        fn = getattr(self, f"op_{msg.op}", None)
+        if fn is None:
+            raise ValueError(f"unknown command {msg.op!r}")
+        out: Reply = fn(msg)
+        return out
+
+    # -- training -----------------------------------------------------------------------------------------
+    def _lockstep(self, per_step: list[list[losses.MicroBatch]]) -> list[list[losses.MicroBatch]]:
+        """Pad every optimizer step to the most micro-batches any rank has: FSDP2 all-gathers in each
+        forward, so all ranks must run the same number of them (the filler trains nothing)."""
+        counts = torch.tensor([len(m) for m in per_step], dtype=torch.int64, device=self.device)  # nccl: GPU
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+        return [
+            mbs + [mbs[-1].masked_out()] * (int(n) - len(mbs))
+            for mbs, n in zip(per_step, counts, strict=True)
+        ]
+
+    def _logp(self, mb: losses.MicroBatch, *, ref: bool = False) -> torch.Tensor:
+        logits = self.backend.ref_logits(mb) if ref else self.backend.logits(mb)
+        return losses.token_log_probs(logits, mb.targets)
+
+    def op_train(self, msg: Message) -> Reply:
+        cfg, be = self.cfg, self.backend
+        t0 = time.monotonic()
+        rows = protocol.decode_batch(msg.tensors)
+        num_tokens: list[float] = msg.header["num_tokens"]
+        split: dict[str, Any] = {
+            "micro_batch_size": cfg.micro_batch_size,
+            "max_tokens": cfg.max_tokens_per_gpu,
+        }
+        step_rows = [[r for r in rows if r.opt_step == j] for j in range(len(num_tokens))]
+        per_step = [
+            [losses.collate(g).to(self.device) for g in losses.split_micro_batches(sr, **split)]
+            for sr in step_rows
+        ]
+        per_step = self._lockstep(per_step)
+        # π_old: the proximal policy = these weights before this rollout's first update (unless the
+        # engine's log-probs stand in for it), and π_ref for the KL.
+        with torch.no_grad():
+            old = [
+                [mb.rollout_logp if cfg.use_rollout_logprobs else self._logp(mb) for mb in s]
+                for s in per_step
+            ]
+            ref = [[self._logp(mb, ref=True) for mb in s] for s in per_step] if cfg.use_kl_loss else None
+        sums: dict[str, float] = {}
+        maxes: dict[str, float] = {}
+        grad_norms: list[float] = []
+        for j, mbs in enumerate(per_step):
+            be.optimizer.zero_grad(set_to_none=True)
+            for i, mb in enumerate(mbs):
+                with be.no_sync(i < len(mbs) - 1):
+                    logits = be.logits(mb)
+                    logp = losses.token_log_probs(logits, mb.targets)
+                    with torch.set_grad_enabled(cfg.entropy_coef > 0 and torch.is_grad_enabled()):
+                        entropy = losses.entropy_from_logits(
+                            logits if cfg.entropy_coef > 0 else logits.detach()
+                        )
+                    out = losses.policy_loss(
+                        logp=logp,
+                        mask=mb.mask,
+                        advantages=mb.advantages,
+                        old_logp=old[j][i],
+                        rollout_logp=mb.rollout_logp,
+                        settings=self.settings,
+                        num_tokens=num_tokens[j],
+                        ref_logp=None if ref is None else ref[j][i],
+                        entropy=entropy,
+                    )
+                    # DDP/FSDP average gradients over dp ranks; the loss is already a global token mean.
+                    torch.autograd.backward(out.loss * be.dp_size)
+                for k, v in out.sums.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                for k, v in out.maxes.items():
+                    maxes[k] = max(maxes.get(k, v), v)
+            grad_norms.append(be.clip_grad(cfg.clip_grad))
+            be.optimizer.step()
+            self.optimizer_steps += 1
+        metrics = self._reduce(sums, maxes)
+        wall = time.monotonic() - t0
+        tokens = torch.tensor(float(sum(int(r.tokens.numel()) for r in rows)), device=self.device)
+        dist.all_reduce(tokens, group=be.dp_group)
+        metrics |= {
+            "train/grad_norm": sum(grad_norms) / len(grad_norms),
+            "train/lr": float(be.optimizer.param_groups[0]["lr"]),
+            "train/optimizer_steps": float(len(per_step)),
+            "perf/trainer_tokens_per_s": float(tokens) / max(wall, 1e-9),
+            "perf/trainer_step_s": wall,
+        }
+        return {"metrics": metrics}, {}
+
+    def _reduce(self, sums: dict[str, float], maxes: dict[str, float]) -> dict[str, float]:
+        keys, mkeys = sorted(sums), sorted(maxes)
+        s = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
+        m = torch.tensor([maxes[k] for k in mkeys], dtype=torch.float64, device=self.device)
+        dist.all_reduce(s, group=self.backend.dp_group)
+        if len(mkeys):
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.backend.dp_group)
+        out = losses.finalize_metrics(
+            dict(zip(keys, s.tolist(), strict=True)), dict(zip(mkeys, m.tolist(), strict=True))
+        )
+        return {f"train/{k}": v for k, v in out.items()}
+
+    def op_logprobs(self, msg: Message) -> Reply:
+        """Current-policy log-probs of each row's response tokens (tests, benchmarks, debugging)."""
+        rows = protocol.decode_batch(msg.tensors)
+        out: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for i, row in enumerate(rows):
+                mb = losses.collate([row]).to(self.device)
+                n, r = int(row.tokens.numel()), row.response_length
+                out[str(i)] = self._logp(mb)[0, n - r - 1 : n - 1].cpu()
+        return {}, out
+
+    # -- weights ------------------------------------------------------------------------------------------
+    def _all_names(self) -> list[str]:
+        return [n for n, _, _ in self.backend.weight_meta()]
+
+    def op_get_weights(self, msg: Message) -> Reply:
+        tensors = self.backend.hf_tensors(self._all_names())
+        return {}, tensors if self.rank == 0 else {}
+
+    def op_save_hf(self, msg: Message) -> Reply:
+        """Disk sync / export: rank 0 writes a complete HF model directory (atomically renamed)."""
+        tensors = self.backend.hf_tensors(self._all_names())
+        path = Path(msg.header["path"]).absolute()
+        if self.rank == 0:
+            protocol.write_hf_dir(tensors, path, source=self.backend.hf_source)
+            if keep := msg.header.get("keep"):
+                # Older snapshots go: the engines loaded the previous one before this sync started.
+                protocol.prune_snapshots(path.parent, int(keep))
+        return {"path": str(path)}, {}
+
+    def op_weight_meta(self, msg: Message) -> Reply:
+        meta = self.backend.weight_meta()
+        with socket.socket() as s:  # a free port for the weight-update group rank 0 will host
+            s.bind(("", 0))
+            port = int(s.getsockname()[1])
+        addr = msg.header.get("master_address") or _my_address()
+        dtypes = [str(d).removeprefix("torch.") for _, d, _ in meta]
+        names, shapes = [n for n, _, _ in meta], [s for _, _, s in meta]
+        return {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "master_address": addr,
+            "master_port": port,
+        }, {}
+
+    def op_bcast_init(self, msg: Message) -> Reply:
+        if self.rank == 0:
+            from miles_aio.inference.local.weight_sync import init_custom_process_group
+
+            keys = ("backend", "master_address", "master_port", "world_size", "group_name")
+            self.weight_group = init_custom_process_group(
+                **{k: msg.header[k] for k in keys}, rank=0, timeout=timedelta(seconds=self.cfg.dist_timeout_s)
+            )
+        return {}, {}
+
+    def op_bcast_bucket(self, msg: Message) -> Reply:
+        names: list[str] = msg.header["names"]
+        tensors = self.backend.hf_tensors(names)  # every rank: a collective under FSDP2 / TP
+        if self.rank == 0:
+            from miles_aio.inference.local.weight_sync import broadcast_weights
+
+            if self.weight_group is None:
+                raise RuntimeError("bcast_bucket before bcast_init")
+            dev = "cuda" if self.device.type == "cuda" else "cpu"  # nccl broadcasts from GPU memory
+            broadcast_weights(((n, tensors[n].to(dev)) for n in names), group=self.weight_group)
+        return {}, {}
+
+    # -- checkpoints --------------------------------------------------------------------------------------
+    def op_save(self, msg: Message) -> Reply:
+        """Model (HF safetensors), optimizer (safetensors + JSON, no pickle), per-rank RNG, step."""
+        d = Path(msg.header["directory"]).absolute()
+        tensors = self.backend.hf_tensors(self._all_names())
+        optim = self.backend.optim_state()
+        d.mkdir(parents=True, exist_ok=True)
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        save_file(rng, str(d / f"rng_rank{self.rank}.safetensors"))
+        if self._optim_sharded or self.rank == 0:
+            protocol.save_optim_state(optim, self._optim_stem(d))
+        if self.rank == 0:
+            protocol.write_hf_dir(tensors, d / "model", source=self.backend.hf_source)
+            meta = {"step": msg.header["step"], "optimizer_steps": self.optimizer_steps}
+            (d / "trainer_state.json").write_text(json.dumps(meta))
+        dist.barrier()  # every rank's files are written when the reply arrives
+        return {}, {}
+
+    def op_load(self, msg: Message) -> Reply:
+        d = Path(msg.header["directory"]).absolute()
+        meta = json.loads((d / "trainer_state.json").read_text())
+        self.backend.load_hf_tensors(protocol.read_hf_dir(d / "model"))
+        self.backend.load_optim_state(protocol.load_optim_state(self._optim_stem(d)))
+        rng_file = d / f"rng_rank{self.rank}.safetensors"
+        if rng_file.exists():  # a different world size keeps fresh RNG streams
+            rng = load_file(str(rng_file))
+            torch.set_rng_state(rng["cpu"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng["cuda"])
+        self.optimizer_steps = int(meta["optimizer_steps"])
+        return {"step": meta["step"]}, {}
+
+    @property
+    def _optim_sharded(self) -> bool:
+        """Megatron keeps one optimizer file per rank (TP shards); FSDP/DDP gather one full state."""
+        return bool(getattr(self.backend, "optim_sharded", False))
+
+    def _optim_stem(self, d: Path) -> Path:
+        return d / (f"optimizer_rank{self.rank}" if self._optim_sharded else "optimizer")
+
+    def op_export_hf(self, msg: Message) -> Reply:
+        return self.op_save_hf(msg)
+
+
+def _my_address() -> str:
+    """This host's address as the engines should dial it (loopback when everything is local)."""
+    if os.environ.get("MASTER_ADDR", "127.0.0.1") in ("127.0.0.1", "localhost"):
+        return "127.0.0.1"
+    return socket.gethostbyname(socket.gethostname())
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this rank when the spawning controller dies, even by SIGKILL."""
+    parent = os.environ.get(PARENT_ENV)
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    if os.getppid() != int(parent):  # the parent died before the prctl took effect
+        os._exit(3)
+
+
+def _serve(chan: BlockingChannel, rank: int, world: int) -> int:
+    worker: RankWorker | None = None
+    while True:
+        msg = chan.recv()
+        if msg.op == "shutdown":
+            chan.send({"op": "ok"})
+            return 0
+        if msg.op == "init":
+            local_rank = int(os.environ.get("LOCAL_RANK", rank))
+            worker = RankWorker(
+                TrainConfig.from_json(msg.header["config"]), rank=rank, world=world, local_rank=local_rank
+            )
+            chan.send({"op": "ok", **worker.info()})
+            continue
+        if worker is None:
+            raise RuntimeError(f"command {msg.op!r} before init")
+        header, tensors = worker.handle(msg)
+        chan.send({"op": "ok", **header}, tensors)
+
+
+def main() -> int:
+    _die_with_parent()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded at run time
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if threads := os.environ.get(THREADS_ENV):
+        torch.set_num_threads(int(threads))
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    host, _, port = os.environ.get(CONTROLLER_ENV, "").rpartition(":")
+    if (secret := protocol.secret_from_env()) is None or not port:
+        sys.exit(f"rank {rank}: set {CONTROLLER_ENV}=host:port and {protocol.SECRET_ENV} (hex)")
+    chan = connect(host.strip("[]"), int(port), secret=secret, rank=rank)
+    try:
+        rc = _serve(chan, rank, world)
+    except ConnectionError:
+        return 3  # the controller is gone: nobody to report to
+    except BaseException as exc:
+        tb = traceback.format_exc()
+        sys.stderr.write(f"rank {rank} failed:\n{tb}")
+        with contextlib.suppress(OSError):
+            chan.send({"op": "error", "type": type(exc).__name__, "message": str(exc), "traceback": tb})
+        # No destroy_process_group: the other ranks may sit in a collective that will never finish,
+        # and the controller takes them down once it sees this report.
+        return 1
+    finally:
+        chan.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""TrainerActor end to end on CPU: real rank processes, gloo, a tiny HF Llama.
+
+Tolerances: parameters of a 2-rank (FSDP2) run match the 1-rank run to 1e-5 absolute after two AdamW
+steps at lr 1e-3 (the ranks' partial gradients are summed in another order; float32). A resumed run
+matches an uninterrupted one to 1e-6 (same world size, same order of operations).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from miles_aio.trainer.actor import TrainerActor, TrainerRankError
+from miles_aio.trainer.config import TrainConfig
+from tests.trainer.helpers import alive, children_of, make_batch, run
+
+pytestmark = [pytest.mark.slow]
+
+
+def _cfg(model_dir: Path, **kw: object) -> TrainConfig:
+    base: dict[str, object] = {
+        "hf_checkpoint": model_dir,
+        "lr": 1e-3,
+        "use_tis": True,
+        "micro_batch_size": 2,
+        "global_batch_size": 4,
+        "clip_grad": 1.0,
+    }
+    return TrainConfig(**(base | kw))  # type: ignore[arg-type]
+
+
+async def _train(cfg: TrainConfig, run_dir: Path, steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    async with TrainerActor.open(cfg, run_dir=run_dir) as actor:
+        losses = [(await actor.train(s, make_batch(s)))["train/loss"] for s in range(steps)]
+        return await actor.get_weights(), losses
+
+
+@pytest.mark.timeout(90)
+def test_two_ranks_equal_one_rank(model_dir: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    initial = load_file(str(model_dir / "model.safetensors"))
+    w1, l1 = run(_train(_cfg(model_dir), tmp_path / "one", steps=1))
+    w2, l2 = run(_train(_cfg(model_dir, actor_num_gpus_per_node=2), tmp_path / "two", steps=1))
+    assert set(w1) == set(w2) == set(initial)
+    assert l1 == pytest.approx(l2, abs=1e-6)
+    moved = max((w1[k] - initial[k]).abs().max().item() for k in w1)
+    assert moved > 1e-4  # two AdamW steps at lr 1e-3 did change the weights
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], atol=1e-5, rtol=0, msg=k)
+
+
+@pytest.mark.timeout(90)
+def test_save_load_resume_equals_uninterrupted(model_dir: Path, tmp_path: Path) -> None:
+    cfg = _cfg(model_dir, lr=1e-2)
+    ckpt, export = tmp_path / "ckpt" / "step_0", tmp_path / "export"
+
+    async def interrupted() -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+        async with TrainerActor.open(cfg, run_dir=tmp_path / "a") as actor:
+            await actor.train(0, make_batch(0))
+            await actor.save(0, ckpt)
+            await actor.export_hf(export)
+            lp = await actor.logprobs([make_batch(5)[0][0].tokens], [3])
+        async with TrainerActor.open(cfg, run_dir=tmp_path / "b") as actor:
+            assert await actor.load(ckpt) == 0
+            await actor.train(1, make_batch(1))
+            return await actor.get_weights(), lp
+
+    resumed, lp = run(interrupted())
+    straight, _ = run(_train(cfg, tmp_path / "c", steps=2))
+    for k in straight:
+        torch.testing.assert_close(resumed[k], straight[k], atol=1e-6, rtol=0, msg=k)
+
+    # The export is an ordinary HF checkpoint: transformers loads it and agrees with the trainer.
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32)
+    tokens = torch.tensor([make_batch(5)[0][0].tokens])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=tokens).logits[0, :-1], -1)
+    ref = logp.gather(-1, tokens[0, 1:, None])[-3:, 0]
+    torch.testing.assert_close(lp[0], ref, atol=1e-5, rtol=0)
+    assert {p.name for p in ckpt.iterdir()} >= {
+        "model",
+        "optimizer.safetensors",
+        "optimizer.json",
+        "trainer_state.json",
+        "rng_rank0.safetensors",
+    }
+
+
+@pytest.mark.timeout(90)
+def test_killed_rank_fails_the_run_fast_and_leaves_no_children(model_dir: Path, tmp_path: Path) -> None:
+    cfg = _cfg(model_dir, actor_num_gpus_per_node=2, micro_batch_size=1, global_batch_size=None)
+    big = make_batch(1, groups=8, n=8, prompt_len=40, max_resp=60)  # several seconds per step
+    pids: list[int] = []
+
+    async def main() -> None:
+        async with TrainerActor.open(cfg, run_dir=tmp_path) as actor:
+            pids.extend(actor.pids)
+            step = asyncio.create_task(actor.train(0, big))
+            await asyncio.sleep(1.0)
+            assert not step.done()
+            os.kill(pids[1], signal.SIGKILL)
+            await step
+
+    t0 = time.monotonic()
+    with pytest.raises(TrainerRankError) as info:
+        run(main())
+    assert time.monotonic() - t0 < 60
+    assert info.value.rank in (0, 1)
+    assert not any(alive(p) for p in pids)
+    assert children_of(os.getpid()) == []
+
+
+@pytest.mark.timeout(60)
+def test_rank_exception_arrives_with_its_traceback(model_dir: Path, tmp_path: Path) -> None:
+    batch = make_batch(0)
+    batch[0][0].tokens[0] = 10_000  # not in the vocabulary: the embedding lookup fails on the rank
+
+    async def main() -> None:
+        async with TrainerActor.open(_cfg(model_dir), run_dir=tmp_path) as actor:
+            await actor.train(0, batch)
+
+    with pytest.raises(TrainerRankError) as info:
+        run(main())
+    assert info.value.rank == 0
+    assert "IndexError" in str(info.value) and "rank_main.py" in info.value.rank_traceback
+    assert children_of(os.getpid()) == []
+
+
+@pytest.mark.timeout(60)
+def test_rank_death_while_idle_cancels_the_block(model_dir: Path, tmp_path: Path) -> None:
+    """No call in flight: the process exit itself (not a poll, not the next call) fails the block."""
+    pids: list[int] = []
+
+    async def main() -> None:
+        async with TrainerActor.open(_cfg(model_dir), run_dir=tmp_path) as actor:
+            pids.extend(actor.pids)
+            os.kill(pids[0], signal.SIGKILL)
+            await asyncio.sleep(50)  # cancelled by the actor's TaskGroup long before this ends
+
+    t0 = time.monotonic()
+    with pytest.raises(TrainerRankError, match="exited with code -9"):
+        run(main())
+    assert time.monotonic() - t0 < 30
+    assert not any(alive(p) for p in pids)
