@@ -44,7 +44,12 @@ DEFAULTS: dict[str, Any] = {
     "eval_interval": 10,
     "eval_temperature": 0.0,
     "eval_max_response_len": 4,
-    "save_interval": None,
+    # trainer: one rank, GRPO with truncated importance sampling, one optimizer step per rollout
+    "lr": 3e-5,  # 3e-4 and 1e-4 were measured to collapse or stall this model (see the README)
+    "use_tis": True,
+    "global_batch_size": 256,
+    "micro_batch_size": 256,
+    "update_weight_transfer_mode": "disk",
 }
 
 
@@ -80,23 +85,18 @@ def prepare(cfg: RunConfig, ns: argparse.Namespace) -> None:
 
 @asynccontextmanager
 async def build(cfg: RunConfig, ns: argparse.Namespace) -> AsyncIterator[RunParts]:
-    from miles_aio.inference.local.launch import launch_local_engines
-    from miles_aio.inference.router import EngineRouter
+    from miles_aio.inference.engines import open_engines
     from miles_aio.models.tiny import load_tokenizer
     from miles_aio.trainer.actor import TrainerActor
 
     model_dir = cfg.run_dir / "model"
     train_cfg = dataclasses.replace(cfg.train, hf_checkpoint=model_dir)
     async with (
-        launch_local_engines(
-            model_dir, num_engines=ns.num_engines, weights_root=cfg.run_dir, num_threads=ns.engine_threads
-        ) as urls,
-        EngineRouter.open(urls, partial_rollout=cfg.driver.partial_rollout) as router,
+        open_engines(cfg, model_path=model_dir) as router,
         TrainerActor.open(train_cfg, cfg, run_dir=cfg.run_dir) as trainer,
     ):
-        yield RunParts(
-            engine=router, trainer=trainer, tokenizer=load_tokenizer(model_dir), num_engines=len(urls)
-        )
+        tokenizer = load_tokenizer(model_dir)
+        yield RunParts(engine=router, trainer=trainer, tokenizer=tokenizer, num_engines=cfg.engine.num_engines)
 
 
 def plan(cfg: RunConfig, ns: argparse.Namespace) -> dict[str, Any]:
