@@ -96,7 +96,9 @@ async def build(cfg: RunConfig, ns: argparse.Namespace) -> AsyncIterator[RunPart
         TrainerActor.open(train_cfg, cfg, run_dir=cfg.run_dir) as trainer,
     ):
         tokenizer = load_tokenizer(model_dir)
-        yield RunParts(engine=router, trainer=trainer, tokenizer=tokenizer, num_engines=cfg.engine.num_engines)
+        yield RunParts(
+            engine=router, trainer=trainer, tokenizer=tokenizer, num_engines=cfg.engine.num_engines
+        )
 
 
 def plan(cfg: RunConfig, ns: argparse.Namespace) -> dict[str, Any]:
