@@ -58,6 +58,6 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def quickstart(session: nox.Session) -> None:
-    """Run the default recipe (extra arguments go to the recipe)."""
+    """Run python -m recipes.quickstart (extra arguments after -- go to the recipe)."""
     install_project(session, "test")
-    session.run("python", "-m", "recipes.simulated", *session.posargs)
+    session.run("python", "-m", "recipes.quickstart", *session.posargs)

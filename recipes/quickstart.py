@@ -44,6 +44,7 @@ DEFAULTS: dict[str, Any] = {
     "eval_interval": 10,
     "eval_temperature": 0.0,
     "eval_max_response_len": 4,
+    "save_interval": 100,  # into <run-dir>/checkpoints unless --save is given; the last step too
     # trainer: one rank, GRPO with truncated importance sampling, one optimizer step per rollout
     "lr": 3e-5,  # 3e-4 and 1e-4 were measured to collapse or stall this model (see the README)
     "use_tis": True,
@@ -123,6 +124,7 @@ RECIPE = Recipe(
     eval_prompts=eval_prompts,
     prepare=prepare,
     plan=plan,
+    checkpoints_in_run_dir=True,
 )
 
 

@@ -124,6 +124,7 @@ RECIPE = Recipe(
         "rollout_max_response_len": 4,
         "custom_generate_function_path": "recipes.tool_use:generate",
         "custom_rm_path": "recipes.tool_use:reward",
+        "reward_key": "reward",
     },
     build=quickstart.build,
     add_arguments=quickstart.add_arguments,
@@ -131,6 +132,7 @@ RECIPE = Recipe(
     eval_prompts=quickstart.eval_prompts,
     prepare=prepare,
     plan=quickstart.plan,
+    checkpoints_in_run_dir=True,
 )
 
 

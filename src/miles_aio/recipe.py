@@ -66,6 +66,8 @@ class Recipe:
     """Built-in eval datasets, used when --eval-prompt-data is not given."""
     plan: Callable[[RunConfig, argparse.Namespace], dict[str, Any]] | None = None
     """Extra lines for the --dry-run plan (processes, engines, devices)."""
+    checkpoints_in_run_dir: bool = False
+    """Without --save, checkpoint to <run-dir>/checkpoints (every --save-interval steps and at the end)."""
 
 
 def _parser(recipe: Recipe) -> argparse.ArgumentParser:
@@ -148,6 +150,8 @@ def main(recipe: Recipe, argv: Sequence[str] | None = None) -> RunSummary | None
     ns.sglang_args = sglang_passthrough(parser, unknown)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = ns.run_dir or Path("runs") / f"{recipe.name}-{stamp}"
+    if recipe.checkpoints_in_run_dir and ns.save is None:
+        ns.save = run_dir / "checkpoints"
     try:
         cfg = config_from_namespace(ns, run_dir=run_dir)
         plugins = resolve_plugins(cfg)
