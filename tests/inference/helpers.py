@@ -29,8 +29,9 @@ SRC_DIR = str(Path(miles_aio.__file__).resolve().parents[1])
 class StubProcess:
     """`python -m miles_aio.testing.sglang_stub_server` on loopback; `kill()` and `start()` it at will."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, module: str = "miles_aio.testing.sglang_stub_server") -> None:
         self.args = args
+        self.module = module
         self.port = 0
         self.proc: asyncio.subprocess.Process | None = None
 
@@ -44,10 +45,10 @@ class StubProcess:
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "miles_aio.testing.sglang_stub_server",
+            self.module,
             "--port",
             str(self.port),
-            "--check-schema",
+            *(("--check-schema",) if self.module.endswith("stub_server") else ()),
             *self.args,
             stdout=asyncio.subprocess.PIPE,
             stdin=asyncio.subprocess.DEVNULL,

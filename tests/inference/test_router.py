@@ -8,14 +8,17 @@ import contextlib
 import dataclasses
 from collections import Counter
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 
 from miles_aio.errors import EngineBadResponse, EngineError, EngineUnavailable
 from miles_aio.inference.base import InferenceEngine
 from miles_aio.inference.router import EngineRouter, RouterPolicy
+from miles_aio.models.tiny import build_tiny_llama
 from miles_aio.testing.sglang_stub_server import SGLangStubServer
-from tests.inference.helpers import expected_tokens, recorded, script, stub_processes
+from miles_aio.types import GenerateOutput
+from tests.inference.helpers import StubProcess, expected_tokens, recorded, script, stub_processes
 
 PROMPT = [1, 2, 3]
 FAST = RouterPolicy(health_check_interval_s=0.05, retry_backoff_s=0.01)
@@ -26,6 +29,56 @@ async def stubs(n: int, *, token_latency_s: float = 0.0) -> AsyncIterator[list[S
     async with contextlib.AsyncExitStack() as stack:
         opened = [SGLangStubServer.open(token_latency_s=token_latency_s) for _ in range(n)]
         yield [await stack.enter_async_context(cm) for cm in opened]
+
+
+@pytest.mark.timeout(120)
+def test_killed_embedded_engine_is_routed_around_and_rejoins(tmp_path: Path) -> None:
+    """The same failover with two real embedded engines (a real model behind each)."""
+    model = build_tiny_llama(tmp_path / "m", alphabet="abcdef", hidden_size=32, num_heads=2, num_kv_heads=1)
+
+    async def main() -> None:
+        a, b = (StubProcess("--model-path", str(model), module="miles_aio.inference.local") for _ in range(2))
+        await a.start()
+        await b.start()
+        try:
+            async with EngineRouter.open([a.url, b.url], policy=FAST) as router:
+
+                async def load(n: int, key_offset: int = 0) -> list[GenerateOutput]:
+                    async with asyncio.TaskGroup() as tg:
+                        tasks = [
+                            tg.create_task(
+                                router.generate(
+                                    input_ids=[3, 4, 5],
+                                    sampling_params={"max_new_tokens": 64, "ignore_eos": True},
+                                    routing_key=key_offset + i,
+                                )
+                            )
+                            for i in range(n)
+                        ]
+                    return [t.result() for t in tasks]
+
+                async with asyncio.TaskGroup() as tg:
+                    during = tg.create_task(load(200))  # every request must succeed despite the kill
+                    await asyncio.sleep(0.2)
+                    assert not during.done()  # the kill lands mid-load
+                    await a.kill()
+                assert all(len(o.output_ids) == 64 for o in during.result())
+                stats = router.stats()
+                assert stats["router/engine0/healthy"] == 0.0
+                assert stats["router/engine0/failures"] >= 1 and stats["router/retries"] >= 1
+                port = a.port
+                await a.start()  # the engine comes back on the same port
+                assert a.port == port
+                async with asyncio.timeout(30):
+                    await router.wait_for_healthy()
+                before = router.stats()["router/engine0/requests"]
+                await load(40, key_offset=1000)
+                assert router.stats()["router/engine0/requests"] - before >= 10  # it takes traffic again
+        finally:
+            await a.stop()
+            await b.stop()
+
+    asyncio.run(main())
 
 
 @pytest.mark.timeout(10)

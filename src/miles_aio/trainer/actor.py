@@ -34,6 +34,7 @@ from typing import Any, Final
 import structlog
 import torch
 
+from miles_aio._aio import finish_even_if_cancelled
 from miles_aio.config import RunConfig
 from miles_aio.errors import ConfigError, MilesAioError
 from miles_aio.inference.base import InferenceEngine
@@ -136,7 +137,7 @@ class TrainerActor:
                         await actor._init_ranks()
                     yield actor
                 finally:
-                    await _run_to_completion(actor.aclose())
+                    await finish_even_if_cancelled(actor.aclose())
         except BaseExceptionGroup as eg:
             raise _primary(eg)  # noqa: B904 - keep the primary error's own cause chain
         finally:
@@ -437,23 +438,6 @@ async def _terminate(rank: int, proc: asyncio.subprocess.Process) -> None:
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
         await proc.wait()
-
-
-async def _run_to_completion(coro: Any) -> None:
-    """Await `coro` to the end even if we are cancelled meanwhile (then re-raise the cancellation).
-
-    The cleanup runs as its own task, shielded, because a cancelled caller must still not leave rank
-    processes behind; it is awaited right here, so it never outlives the caller."""
-    task = asyncio.ensure_future(coro)
-    cancelled = False
-    while not task.done():
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            cancelled = True
-    task.result()
-    if cancelled:
-        raise asyncio.CancelledError
 
 
 def _free_port() -> int:

@@ -27,6 +27,8 @@ from typing import Final
 
 import structlog
 
+from miles_aio._aio import finish_even_if_cancelled
+
 __all__ = ["EngineStartError", "launch_local_engines"]
 
 _log = structlog.get_logger(__name__)
@@ -106,16 +108,7 @@ async def launch_local_engines(
     finally:
         # The stop runs to completion even if this task is cancelled (again) meanwhile: a cancelled caller
         # must not leave children behind. The cancellation is re-raised once they are gone.
-        cleanup = asyncio.create_task(_stop_all(children), name="engines-stop")
-        cancelled = False
-        while not cleanup.done():
-            try:
-                await asyncio.shield(cleanup)
-            except asyncio.CancelledError:
-                cancelled = True
-        cleanup.result()
-        if cancelled:
-            raise asyncio.CancelledError
+        await finish_even_if_cancelled(_stop_all(children))
 
 
 async def _wait_ready(child: _Child) -> str:
