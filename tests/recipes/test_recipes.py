@@ -12,7 +12,7 @@ import pytest
 from miles_aio.ledger import check_conservation, read_ledger
 from miles_aio.models.tiny import build_tiny_llama
 
-RECIPES = ["simulated", "quickstart", "tool_use", "gsm8k_qwen3"]
+RECIPES = ["simulated", "quickstart", "tool_use", "gsm8k_qwen3", "smollm2_math"]
 FULLY_ASYNC = [
     "queue_size",
     "aborted_groups_filtered",

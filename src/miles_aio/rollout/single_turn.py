@@ -22,7 +22,9 @@ def prompt_token_ids(ctx: RolloutContext, sample: Sample) -> list[int]:
         template: Any = getattr(ctx.tokenizer, "apply_chat_template", None)
         if template is None:
             raise RuntimeError("chat prompts need a tokenizer with apply_chat_template")
-        ids = list(template(sample.prompt, tokenize=True, add_generation_prompt=True))
+        encoded = template(sample.prompt, tokenize=True, add_generation_prompt=True)
+        # transformers 5 returns a BatchEncoding (a mapping); older versions a plain list of ids
+        ids = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
     sample.tokens = list(ids)
     return sample.tokens
 
