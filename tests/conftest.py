@@ -34,3 +34,41 @@ def run_virtual(coro: Coroutine[Any, Any, T], *, virtual_timeout_s: float = 10_0
 @pytest.fixture
 def vrun() -> Callable[..., Any]:
     return run_virtual
+
+
+def _live_children() -> dict[int, str]:
+    """Live (non-zombie) child processes of this pytest process: pid → command line."""
+    import os
+    from pathlib import Path
+
+    out: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().split(") ", 1)[1].split()
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z":
+            out[int(entry.name)] = cmd
+    return out
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_orphan_processes(request: pytest.FixtureRequest) -> Any:
+    """Every process a test module starts must be gone when the module ends (no orphans, ever)."""
+    import os
+    import signal
+    import time
+
+    before = set(_live_children())
+    yield
+    deadline = time.monotonic() + 10  # a child may still be on its way out
+    while (
+        left := {p: c for p, c in _live_children().items() if p not in before}
+    ) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"{request.module.__name__} left child processes behind: {left}"

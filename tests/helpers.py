@@ -12,6 +12,7 @@ from miles_aio.config import (
     DriverConfig,
     EngineConfig,
     EvalConfig,
+    ObservabilityConfig,
     RolloutConfig,
     RunConfig,
     SchedulerConfig,
@@ -43,6 +44,7 @@ def make_config(run_dir: Path | None = None, **overrides: Any) -> RunConfig:
         ("eval", EvalConfig),
         ("engine", EngineConfig),
         ("train", TrainConfig),
+        ("observability", ObservabilityConfig),
     ):
         names = {f.name for f in dataclasses.fields(cls)}
         parts[attr] = cls(**{k: values.pop(k) for k in list(values) if k in names})
@@ -69,3 +71,10 @@ async def raising_reward(ctx: RolloutContext, sample: Sample) -> float:
 
 def keep_even_groups(ctx: RolloutContext, group: Group) -> tuple[bool, str]:
     return group[0].group_index % 2 == 0, "odd_group"
+
+
+async def flaky_reward(ctx: RolloutContext, sample: Sample) -> float:
+    """Raises for every third group: user code that sometimes crashes."""
+    if sample.group_index % 3 == 0:
+        raise ValueError(f"cannot score group {sample.group_index}")
+    return 1.0

@@ -23,6 +23,7 @@ from miles_aio.config import (
     DriverConfig,
     EngineConfig,
     EvalConfig,
+    ObservabilityConfig,
     RolloutConfig,
     RunConfig,
     SchedulerConfig,
@@ -43,6 +44,7 @@ COMPONENTS: list[tuple[str, type[Any], str]] = [
     ("eval", EvalConfig, "evaluation"),
     ("engine", EngineConfig, "inference engines"),
     ("train", TrainConfig, "trainer"),
+    ("observability", ObservabilityConfig, "observability"),
 ]
 
 

@@ -9,6 +9,7 @@ the CLI turns that into exit code 2 before any process starts.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ __all__ = [
     "DriverConfig",
     "EngineConfig",
     "EvalConfig",
+    "ObservabilityConfig",
     "RolloutConfig",
     "RunConfig",
     "SchedulerConfig",
@@ -91,6 +93,11 @@ class RolloutConfig:
         metavar="PKG.MOD:ATTR",
     )
     sglang_server_concurrency: int = opt(512, "Concurrent generate calls per engine (the limiter's size).")
+    rollout_failure_policy: Literal["fail", "drop", "retry"] = opt(
+        "fail",
+        "When user code (generate, reward, dynamic filter) raises: stop the run (fail, loudly), drop the "
+        "group (counted, traceback logged), or retry its prompt later.",
+    )
 
     def __post_init__(self) -> None:
         _positive(self.rollout_batch_size, "rollout_batch_size")
@@ -229,8 +236,71 @@ class EvalConfig:
         None, "Sampling temperature for eval (default: --rollout-temperature)."
     )
     skip_eval_before_train: bool = opt(False, "Do not evaluate the initial weights.")
+    # Mode 2 (dedicated engines loading HF snapshots) and mode 3 (an external CheckpointEvalFn)
+    eval_sglang_urls: tuple[str, ...] = opt(
+        (), "Mode 2: evaluate on these running engines (they load HF snapshots), not the rollout ones."
+    )
+    eval_num_gpus: int = opt(0, "Mode 2: GPUs for dedicated eval engines started by this run (CPU: engines).")
+    eval_num_gpus_per_engine: int = opt(1, "GPUs per dedicated eval engine (its tensor-parallel size).")
+    eval_function_path: str | None = opt(
+        None,
+        "Mode 3: a miles_aio.eval.CheckpointEvalFn subclass evaluating each HF snapshot externally.",
+        metavar="PKG.MOD:CLASS",
+    )
+    eval_hf_dir: Path | None = opt(
+        None, "Modes 2/3 export source: a fresh HF export per eval point to DIR/step_<n> (tmpfs is best)."
+    )
+    save_hf: str | None = opt(
+        None,
+        "Also export an HF checkpoint at every --save, to this path format ({step} = steps trained); "
+        "modes 2/3 reuse it as their snapshot when --eval-hf-dir is not given.",
+        metavar="FORMAT",
+    )
+    eval_max_in_flight: int = opt(2, "Modes 2/3: eval points pending at once (exported, not yet evaluated).")
+    eval_overflow_policy: Literal["backpressure", "skip"] = opt(
+        "backpressure",
+        "Modes 2/3, a point due while --eval-max-in-flight are pending: wait for the oldest, or skip it.",
+    )
+    eval_keep_snapshots: int = opt(
+        2,
+        "Modes 2/3: exported snapshot dirs kept after their points settled (never --save-hf ones).",
+    )
 
     def __post_init__(self) -> None:
+        _positive(self.eval_num_gpus, "eval_num_gpus", zero_ok=True)
+        _positive(self.eval_num_gpus_per_engine, "eval_num_gpus_per_engine")
+        _positive(self.eval_max_in_flight, "eval_max_in_flight")
+        _positive(self.eval_keep_snapshots, "eval_keep_snapshots", zero_ok=True)
+        if self.eval_num_gpus % self.eval_num_gpus_per_engine:
+            raise ConfigError(
+                f"{self.eval_num_gpus} GPUs do not split into engines of {self.eval_num_gpus_per_engine}",
+                flags=["--eval-num-gpus", "--eval-num-gpus-per-engine"],
+            )
+        if self.eval_sglang_urls and self.eval_num_gpus:
+            raise ConfigError(
+                "give running eval engines or GPUs to start them on, not both",
+                flags=["--eval-sglang-urls", "--eval-num-gpus"],
+            )
+        if self.dedicated_engines and self.eval_function_path is not None:
+            raise ConfigError(
+                "dedicated eval engines (mode 2) and an external eval function (mode 3) exclude each other",
+                flags=[
+                    "--eval-sglang-urls" if self.eval_sglang_urls else "--eval-num-gpus",
+                    "--eval-function-path",
+                ],
+            )
+        if self.save_hf is not None:
+            try:
+                formatted = self.save_hf.format(step=0)
+            except (KeyError, IndexError, ValueError) as e:
+                raise ConfigError(f"bad path format {self.save_hf!r}: {e!r}", flags=["--save-hf"]) from e
+            if formatted == self.save_hf.format(step=1):
+                raise ConfigError(f"{self.save_hf!r} needs a {{step}} field", flags=["--save-hf"])
+        if self.uses_snapshots and self.eval_hf_dir is None and self.save_hf is None:
+            raise ConfigError(
+                "eval modes 2 and 3 need a snapshot source: an export dir or the --save-hf checkpoints",
+                flags=["--eval-hf-dir", "--save-hf"],
+            )
         if len(self.eval_prompt_data) % 2:
             raise ConfigError("needs NAME PATH pairs", flags=["--eval-prompt-data"])
         if self.n_samples_per_eval_prompt < 1:
@@ -245,9 +315,63 @@ class EvalConfig:
             raise ConfigError(f"must be >= 0, got {self.eval_temperature}", flags=["--eval-temperature"])
 
     @property
+    def dedicated_engines(self) -> bool:
+        """Mode 2: --eval-sglang-urls or --eval-num-gpus."""
+        return bool(self.eval_sglang_urls) or self.eval_num_gpus > 0
+
+    @property
+    def uses_snapshots(self) -> bool:
+        """Modes 2 and 3 evaluate HF snapshots of the trainer's weights."""
+        return self.dedicated_engines or self.eval_function_path is not None
+
+    @property
     def datasets(self) -> dict[str, Path]:
         pairs = self.eval_prompt_data
         return {pairs[i]: Path(pairs[i + 1]) for i in range(0, len(pairs), 2)}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ObservabilityConfig:
+    """Timeline trace, wandb and miles' logging hooks (`miles_aio.observability`)."""
+
+    trace: str = opt(
+        "trace.json",
+        "Chrome/Perfetto timeline trace; a relative path is under --run-dir; '' writes no trace.",
+        metavar="PATH",
+    )
+    trace_max_events: int = opt(
+        500_000, "Events the trace keeps (held in memory until the end); later ones are counted, not kept."
+    )
+    use_wandb: bool = opt(False, "Also log metrics to wandb (offline unless an API key is configured).")
+    wandb_project: str | None = opt(None, "wandb project (default: miles_aio).")
+    wandb_group: str | None = opt(None, "wandb group of the run.")
+    wandb_run_name: str | None = opt(None, "wandb run name (default: the --run-dir name).")
+    wandb_mode: Literal["auto", "online", "offline", "disabled"] = opt(
+        "auto", "wandb mode; auto: $WANDB_MODE, else online with an API key, else offline."
+    )
+    custom_rollout_log_function_path: str | None = opt(
+        None,
+        "`log_rollout_data(rollout_id, args, samples, rollout_extra_metrics, rollout_time) -> bool`, "
+        "called once per step; True skips the default logging of that step.",
+        metavar="PKG.MOD:ATTR",
+    )
+    custom_eval_rollout_log_function_path: str | None = opt(
+        None,
+        "`log_eval_rollout_data(rollout_id, args, data, extra_metrics) -> bool`, called once per eval "
+        "point; True skips the default logging of that point.",
+        metavar="PKG.MOD:ATTR",
+    )
+
+    def __post_init__(self) -> None:
+        if self.trace_max_events < 0:
+            raise ConfigError(f"must be >= 0, got {self.trace_max_events}", flags=["--trace-max-events"])
+        named = [n for n in ("wandb_project", "wandb_group", "wandb_run_name") if getattr(self, n)]
+        if named and not self.use_wandb:
+            raise ConfigError("needs --use-wandb", flags=[*map(flag, named), "--use-wandb"])
+        if self.use_wandb and importlib.util.find_spec("wandb") is None:
+            raise ConfigError(
+                "wandb is not installed (pip install 'miles_aio[wandb]')", flags=["--use-wandb"]
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -262,6 +386,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     run_dir: Path = opt(Path("runs/run"), "Directory for everything the run writes.")
 
     def __post_init__(self) -> None:
@@ -280,6 +405,20 @@ class RunConfig:
                 f"buffer capacity floor({self.buffer.async_data_buffer_capacity_factor} × "
                 f"{self.rollout.rollout_batch_size}) is 0 groups",
                 flags=["--async-data-buffer-capacity-factor", "--rollout-batch-size"],
+            )
+        self._check_eval_snapshots()
+
+    def _check_eval_snapshots(self) -> None:
+        ev, d = self.eval, self.driver
+        if not ev.uses_snapshots:
+            return
+        if d.eval_interval is None:
+            raise ConfigError("eval modes 2 and 3 need an eval interval", flags=["--eval-interval"])
+        if ev.eval_hf_dir is None and (d.save_interval is None or d.eval_interval % d.save_interval):
+            raise ConfigError(
+                f"reusing --save-hf checkpoints needs every eval point on a save: eval interval "
+                f"{d.eval_interval} is not a multiple of save interval {d.save_interval}",
+                flags=["--eval-interval", "--save-interval", "--save-hf"],
             )
 
     @property

@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
@@ -45,12 +45,14 @@ from miles_aio.checkpoint import (
 from miles_aio.config import RunConfig
 from miles_aio.data.source import DataSource, PromptRecord
 from miles_aio.errors import BufferClosed, RolloutWorkerDied, primary_error
-from miles_aio.eval.dispatcher import EvalDispatcher
-from miles_aio.eval.shared import EVAL_PRIORITY, SharedEngineEval
+from miles_aio.eval.build import build_eval_dispatcher
+from miles_aio.eval.dispatcher import EvalPoints
+from miles_aio.eval.snapshots import save_hf_checkpoint
 from miles_aio.inference.base import InferenceEngine
 from miles_aio.ledger import Ledger
-from miles_aio.metrics import JsonlSink, MetricsSink, brief, rollout_batch_metrics
+from miles_aio.metrics import MetricsSink, rollout_batch_metrics
 from miles_aio.observability.accounting import StepAccounting, StepTimes
+from miles_aio.observability.observer import RunObserver
 from miles_aio.plugins import Plugins
 from miles_aio.rollout.context import LimitedEngine, RolloutContext, Tokenizer
 from miles_aio.rollout.limiter import Limiter
@@ -58,7 +60,6 @@ from miles_aio.rollout.pool import RolloutPool
 from miles_aio.scheduler.policy import AdmissionLimits, DrainSchedule
 from miles_aio.scheduler.worker import RolloutWorker
 from miles_aio.trainer.base import Trainer
-from miles_aio.types import Group
 
 __all__ = ["Controller", "RunSummary"]
 
@@ -90,7 +91,8 @@ class Controller:
         num_engines: int = 1,
         sinks: Sequence[MetricsSink] = (),
         eval_datasets: Mapping[str, Sequence[PromptRecord]] | None = None,
-        evals: EvalDispatcher | None = None,
+        evals: EvalPoints | None = None,
+        eval_engine: InferenceEngine | None = None,
         write_files: bool = True,
     ) -> None:
         self.cfg = cfg
@@ -110,10 +112,10 @@ class Controller:
         self.ledger = Ledger(
             run_dir / "ledger.jsonl" if write_files else None, dataset_size=source.dataset_size
         )
-        self.sinks: list[MetricsSink] = [JsonlSink(run_dir / "metrics.jsonl")] if write_files else []
-        self.sinks.extend(sinks)
+        self.obs = RunObserver(cfg, engine, sinks=sinks, write_files=write_files, num_engines=num_engines)
+        self.sinks, self.tracer = self.obs.sinks, self.obs.tracer  # metrics sinks; timeline trace
         self.limiter = Limiter(cfg.rollout.sglang_server_concurrency * num_engines)
-        self.engine = LimitedEngine(engine, self.limiter)
+        self.engine = LimitedEngine(engine, self.limiter, tracer=self.tracer)
         self.ctx = RolloutContext(
             engine=self.engine, tokenizer=tokenizer, config=cfg, log=structlog.get_logger("miles_aio.rollout")
         )
@@ -147,26 +149,21 @@ class Controller:
             buffer=self.buffer,
             ledger=self.ledger,
         )
+        self.obs.watch(self.buffer, self.worker.state)  # buffer depth, in-flight samples and groups
         self.accounting = StepAccounting(
             blocked_seconds=self.worker.blocked_seconds, generated_tokens=lambda: self.engine.generated_tokens
         )
-        if evals is None and eval_datasets:
-            evals = EvalDispatcher(
-                SharedEngineEval(
-                    ctx=replace(self.ctx, engine=self.engine.with_priority(EVAL_PRIORITY)),
-                    datasets=eval_datasets,
-                    generate_fn=plugins.generate_fn,
-                    reward_fn=plugins.reward_fn,
-                    n_samples_per_prompt=cfg.eval.n_samples_per_eval_prompt,
-                    max_response_len=cfg.eval.eval_max_response_len,
-                    temperature=cfg.eval.eval_temperature,
-                ),
-                interval=cfg.driver.eval_interval,
-                before_train=not cfg.eval.skip_eval_before_train,
-            )
-        self.evals = evals
+        self.evals = evals or build_eval_dispatcher(
+            cfg,
+            controller_ctx=self.ctx,
+            plugins=plugins,
+            trainer=trainer,
+            eval_datasets=eval_datasets,
+            eval_engine=eval_engine,
+        )
         self.fates = GroupFates(
             handler=cfg.buffer.async_unused_samples_handler,
+            failure_policy=cfg.rollout.rollout_failure_policy,
             discard=self.worker.on_discarded,
             ledger=self.ledger,
             source=source,
@@ -185,6 +182,7 @@ class Controller:
                 await self._push_weights(self.version or 1)
                 if self.start_step == 0 and self.evals is not None and self.evals.due(0):
                     self.evals.dispatch(tg, steps_done=0, version=1)
+                    self.obs.eval_dispatched(0, self.evals)
                 worker = tg.create_task(self._supervise_worker(), name="rollout-worker")
                 try:
                     await self._step_loop(tg, summary)
@@ -195,8 +193,7 @@ class Controller:
         finally:
             self.ledger.mark_pending("pending_at_exit", step=summary.steps)
             self.ledger.close()
-            for sink in self.sinks:
-                sink.close()
+            self.obs.close()
         summary.version = self.version
         summary.wall_s = time.monotonic() - t0
         summary.ledger_counts = dict(self.ledger.counts)
@@ -208,6 +205,7 @@ class Controller:
         self._next_drain = tg.create_task(self._drain(first), name=f"drain-{first}") if first < n else None
         for step in range(first, n):
             t_step = loop.time()
+            self.obs.begin_step(step, self.version)
             assert self._next_drain is not None
             if not await self._await_drain(self._next_drain):
                 await self._stop_now(step - 1)
@@ -242,10 +240,9 @@ class Controller:
             if self.evals is not None and self.evals.due(done):
                 eval_s += await self._wait_eval(done)
                 self.evals.dispatch(tg, steps_done=done, version=self.version or 0)
+                self.obs.eval_dispatched(done, self.evals)
             if done == n:
                 eval_s += await self._wait_eval(done)  # the last point lands in the last record
-            if self.evals is not None:
-                metrics.update(self.evals.collect())
             times = StepTimes(
                 step_s=loop.time() - t_step,
                 wait_data_s=wait_data,
@@ -253,18 +250,15 @@ class Controller:
                 weight_sync_s=sync_s,
                 eval_s=eval_s,
             )
-            metrics.update(self.buffer.get_metrics())
-            metrics.update(
-                self.accounting.step_metrics(times, now=loop.time(), trained_tokens=_tokens(groups))
+            metrics |= self.buffer.get_metrics() | self.accounting.step_metrics(
+                times, now=loop.time(), trained_tokens=int(metrics["rollout/tokens"])
             )
-            metrics["rollout/policy_version"] = float(self.version or 0)
-            metrics["rollout/in_flight_groups"] = float(self.worker.state.in_flight_groups)
-            for sink in self.sinks:
-                sink.log(step, metrics)
-            summary.steps = step + 1
+            evaled = self.evals.collect() if self.evals is not None else {}
+            metrics = await self.obs.end_step(
+                step, groups, metrics, eval_metrics=evaled, times=times, start=t_step, train_start=t_train
+            )
+            summary.steps, summary.last_metrics = step + 1, metrics
             summary.step_times_s.append(times.step_s)
-            summary.last_metrics = metrics
-            log.info("step", step=step, version=self.version, **brief(metrics))
             if self._stop.is_set() and done < n:
                 await self._stop_now(step)
                 return
@@ -343,16 +337,21 @@ class Controller:
 
     async def _push_weights(self, version: int) -> None:
         """pause → flush (unless in_place) → transfer → stamp the version → continue → publish."""
-        mode = self.cfg.driver.pause_generation_mode
-        await self.engine.pause_generation(mode)
-        if mode != "in_place":
-            await self.engine.flush_cache()
-        await self.trainer.sync_weights(self.engine.inner, version=version)
-        await self.engine.update_weight_version(version)
-        await self.engine.continue_generation()
+        mode, tr = self.cfg.driver.pause_generation_mode, self.tracer
+        with tr.slice("push weights", track="trainer", version=version):
+            with tr.slice("pause", track="trainer", mode=mode):
+                await self.engine.pause_generation(mode)
+                if mode != "in_place":
+                    await self.engine.flush_cache()
+            with tr.slice("transfer", track="trainer"):
+                await self.trainer.sync_weights(self.engine.inner, version=version)
+                await self.engine.update_weight_version(version)
+            with tr.slice("continue", track="trainer"):
+                await self.engine.continue_generation()
         self._weights_ahead = False
         self.version = version
         self.worker.publish_version(version)
+        self.obs.version_pushed(version)
 
     async def save(self, step: int) -> None:
         """Trainer state plus everything the controller needs to resume without losing a group."""
@@ -365,6 +364,8 @@ class Controller:
         carry = list(drain.result()) if drain is not None else list(self._draining)
         directory = step_dir(self.cfg.driver.save, step)
         await self.trainer.save(step, directory)
+        if self.cfg.eval.save_hf is not None:  # eval modes 2/3 may reuse it as their snapshot
+            await save_hf_checkpoint(self.trainer, self.cfg.eval.save_hf, step + 1)
         state = ControllerState(
             step=step,
             version=(self.version or 0) + int(self._weights_ahead),
@@ -394,7 +395,3 @@ class Controller:
         log.info(
             "resumed", from_step=state.step, version=self.version, carry=len(self._carry), path=str(directory)
         )
-
-
-def _tokens(groups: list[Group]) -> int:
-    return sum(s.response_length for g in groups for s in g)

@@ -26,9 +26,13 @@ from miles_aio.config import RunConfig
 from miles_aio.controller import Controller, RunSummary
 from miles_aio.data.source import DataSource, PromptRecord, read_prompt_jsonl
 from miles_aio.errors import ConfigError
+from miles_aio.eval.external import eval_fn_class
+from miles_aio.eval.fleet import open_eval_engines
 from miles_aio.inference.base import InferenceEngine
 from miles_aio.logs import configure_logging
+from miles_aio.observability.hooks import resolve_log_hooks
 from miles_aio.observability.progress import ProgressSink
+from miles_aio.observability.wandb_sink import wandb_mode
 from miles_aio.plot import plot_run
 from miles_aio.plugins import Plugins, resolve_plugins
 from miles_aio.rollout.context import Tokenizer
@@ -47,6 +51,8 @@ class RunParts:
     trainer: Trainer
     tokenizer: Tokenizer | None
     num_engines: int = 1
+    model_path: Path | None = None
+    """The initial HF model directory (dedicated eval engines, eval mode 2, start from it)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -115,7 +121,7 @@ def load_eval_datasets(
 
 
 def describe_plan(cfg: RunConfig, recipe: Recipe, ns: argparse.Namespace, n_prompts: int) -> dict[str, Any]:
-    r, s, b, d = cfg.rollout, cfg.scheduler, cfg.buffer, cfg.driver
+    r, s, b, d, o = cfg.rollout, cfg.scheduler, cfg.buffer, cfg.driver, cfg.observability
     plan: dict[str, Any] = {
         "recipe": recipe.name,
         "run_dir": str(cfg.run_dir),
@@ -137,6 +143,10 @@ def describe_plan(cfg: RunConfig, recipe: Recipe, ns: argparse.Namespace, n_prom
             "unused_handler": b.async_unused_samples_handler,
         },
         "weights": {"update_interval": d.update_weights_interval, "pause_mode": d.pause_generation_mode},
+        "observability": {
+            "trace": str(cfg.run_dir / o.trace) if o.trace else None,
+            "wandb": wandb_mode(o.wandb_mode) if o.use_wandb else None,
+        },
     }
     if recipe.plan is not None:
         plan.update(recipe.plan(cfg, ns))
@@ -155,6 +165,9 @@ def main(recipe: Recipe, argv: Sequence[str] | None = None) -> RunSummary | None
     try:
         cfg = config_from_namespace(ns, run_dir=run_dir)
         plugins = resolve_plugins(cfg)
+        resolve_log_hooks(cfg)  # a bad --custom-*-log-function-path exits 2 before anything starts
+        if cfg.eval.eval_function_path:
+            eval_fn_class(cfg)  # likewise a bad --eval-function-path
         records = load_records(cfg, recipe, ns)
         eval_datasets = load_eval_datasets(cfg, recipe, ns)
     except ConfigError as e:
@@ -188,7 +201,12 @@ async def _run(
         seed=cfg.data.rollout_seed,
         shuffle=cfg.data.rollout_shuffle,
     )
-    async with recipe.build(cfg, ns) as parts:
+    async with (
+        recipe.build(cfg, ns) as parts,
+        open_eval_engines(
+            cfg, model_path=parts.model_path, trainer=parts.trainer, sglang_args=ns.sglang_args
+        ) as eval_engine,
+    ):
         controller = Controller(
             cfg,
             engine=parts.engine,
@@ -199,6 +217,7 @@ async def _run(
             num_engines=parts.num_engines,
             sinks=[ProgressSink(cfg.driver.num_rollout)],
             eval_datasets=eval_datasets,
+            eval_engine=eval_engine,
         )
         signals = _stop_on_signals(controller)
         try:

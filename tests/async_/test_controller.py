@@ -11,7 +11,7 @@ import structlog
 
 from miles_aio.buffer import BufferItem, DefaultDataBuffer
 from miles_aio.controller import Controller, RunSummary
-from miles_aio.errors import RolloutWorkerDied
+from miles_aio.errors import EngineUnavailable, RolloutWorkerDied
 from miles_aio.ledger import check_conservation, read_ledger
 from miles_aio.plugins import resolve_plugins
 from miles_aio.testing import FakeLatencyEngine, FakeTokenizer, FakeTrainer, LogNormalLatency
@@ -249,3 +249,50 @@ def test_bubble_accounting_with_rollout_three_times_slower_than_the_trainer(
     assert blocked == pytest.approx(0.0, abs=0.02)
     tokens = [m["perf/generated_tokens_per_s"] for m in steady]
     assert sum(tokens) / len(tokens) == pytest.approx(4 * 30 / 3.0, rel=0.1)  # 4 samples × 30 tokens per 3 s
+
+
+@pytest.mark.parametrize(("policy", "fate"), [("drop", "failed"), ("retry", "recycled")])
+def test_failure_policy_turns_user_exceptions_into_failed_samples(
+    vrun: Any, tmp_path: Path, policy: str, fate: str
+) -> None:
+    _, summary, _, trainer = run(
+        vrun,
+        tmp_path,
+        num_rollout=4,
+        custom_rm_path="tests.helpers:flaky_reward",
+        rollout_failure_policy=policy,
+    )
+    assert summary.steps == 4
+    assert all(g[0].group_index % 3 for _, b in trainer.steps for g in b)  # no failed group is trained
+    events = read_ledger(tmp_path / "run" / "ledger.jsonl")
+    counts = check_conservation(events)
+    assert counts[fate] > 0
+    failed_metric = sum(m["rollout/failed_groups"] for m in metrics_lines(tmp_path))
+    assert failed_metric > 0
+
+
+class FlakyEngine(FakeLatencyEngine):
+    """A FAKE engine whose every fifth request fails as an unreachable server would (after retries)."""
+
+    async def generate(self, **kw: Any) -> Any:
+        if self.requests % 5 == 4:
+            self.requests += 1
+            raise EngineUnavailable("no healthy engine")
+        return await super().generate(**kw)
+
+
+def test_engine_failures_abort_samples_and_the_run_goes_on(vrun: Any, tmp_path: Path) -> None:
+    config = make_config(tmp_path / "run", num_rollout=4, async_unused_samples_handler="retry")
+    trainer = FakeTrainer(step_time_s=1.0)
+    controller = Controller(
+        config,
+        engine=FlakyEngine(LogNormalLatency(1.0, 5.0), tokens_per_s=10),
+        trainer=trainer,
+        source=make_source(n=2),
+        plugins=resolve_plugins(config),
+        tokenizer=FakeTokenizer(),
+    )
+    assert vrun(controller.run()).steps == 4
+    assert sum(m["rollout/fully_async/aborted_groups_filtered"] for m in metrics_lines(tmp_path)) > 0
+    counts = check_conservation(read_ledger(tmp_path / "run" / "ledger.jsonl"))
+    assert counts["recycled"] > 0

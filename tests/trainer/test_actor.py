@@ -100,6 +100,7 @@ def test_killed_rank_fails_the_run_fast_and_leaves_no_children(model_dir: Path, 
     cfg = _cfg(model_dir, actor_num_gpus_per_node=2, micro_batch_size=1, global_batch_size=None)
     big = make_batch(1, groups=8, n=8, prompt_len=40, max_resp=60)  # several seconds per step
     pids: list[int] = []
+    before = set(children_of(os.getpid()))  # other tests' processes are not ours to judge
 
     async def main() -> None:
         async with TrainerActor.open(cfg, run_dir=tmp_path) as actor:
@@ -116,13 +117,14 @@ def test_killed_rank_fails_the_run_fast_and_leaves_no_children(model_dir: Path, 
     assert time.monotonic() - t0 < 60
     assert info.value.rank in (0, 1)
     assert not any(alive(p) for p in pids)
-    assert children_of(os.getpid()) == []
+    assert set(children_of(os.getpid())) <= before
 
 
 @pytest.mark.timeout(60)
 def test_rank_exception_arrives_with_its_traceback(model_dir: Path, tmp_path: Path) -> None:
     batch = make_batch(0)
     batch[0][0].tokens[0] = 10_000  # not in the vocabulary: the embedding lookup fails on the rank
+    before = set(children_of(os.getpid()))
 
     async def main() -> None:
         async with TrainerActor.open(_cfg(model_dir), run_dir=tmp_path) as actor:
@@ -132,7 +134,7 @@ def test_rank_exception_arrives_with_its_traceback(model_dir: Path, tmp_path: Pa
         run(main())
     assert info.value.rank == 0
     assert "IndexError" in str(info.value) and "rank_main.py" in info.value.rank_traceback
-    assert children_of(os.getpid()) == []
+    assert set(children_of(os.getpid())) <= before
 
 
 @pytest.mark.timeout(60)

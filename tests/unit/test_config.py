@@ -52,6 +52,36 @@ INVALID: list[tuple[list[str], list[str]]] = [
     (["--eval-prompt-data", "only-a-name"], ["--eval-prompt-data"]),
     (["--train-backend", "jax"], ["--train-backend"]),
     (["--n-samples-per-eval-prompt", "0"], ["--n-samples-per-eval-prompt"]),
+    # eval modes 2 and 3
+    (
+        ["--eval-num-gpus", "1", "--eval-function-path", "m:C", "--eval-interval", "2", "--eval-hf-dir", "d"],
+        ["--eval-num-gpus", "--eval-function-path"],
+    ),
+    (
+        ["--eval-sglang-urls", "http://e:1", "--eval-function-path", "m:C", "--eval-hf-dir", "d"],
+        ["--eval-sglang-urls", "--eval-function-path"],
+    ),
+    (["--eval-sglang-urls", "http://e:1", "--eval-num-gpus", "1"], ["--eval-sglang-urls", "--eval-num-gpus"]),
+    (["--eval-function-path", "m:C", "--eval-interval", "2"], ["--eval-hf-dir", "--save-hf"]),
+    (["--eval-function-path", "m:C", "--eval-hf-dir", "d"], ["--eval-interval"]),
+    (
+        [
+            *("--eval-function-path", "m:C", "--save-hf", "hf/{step}", "--eval-interval", "3"),
+            *("--save", "ck", "--save-interval", "2"),
+        ],
+        ["--eval-interval", "--save-interval", "--save-hf"],
+    ),
+    (
+        ["--eval-num-gpus", "1", "--save-hf", "hf/{step}", "--eval-interval", "2"],
+        ["--eval-interval", "--save-interval", "--save-hf"],
+    ),
+    (["--save-hf", "hf/latest"], ["--save-hf"]),
+    (["--save-hf", "hf/{rollout}"], ["--save-hf"]),
+    (["--eval-num-gpus", "-1"], ["--eval-num-gpus"]),
+    (["--eval-num-gpus", "3", "--eval-num-gpus-per-engine", "2"], ["--eval-num-gpus"]),
+    (["--eval-max-in-flight", "0"], ["--eval-max-in-flight"]),
+    (["--eval-keep-snapshots", "-1"], ["--eval-keep-snapshots"]),
+    (["--eval-overflow-policy", "drop"], ["--eval-overflow-policy"]),
 ]
 
 
@@ -110,6 +140,10 @@ def test_recipe_defaults_are_overridden_by_flags() -> None:
         (["--custom-generate-function-path", "miles_aio.types:Sample"], "--custom-generate-function-path"),
         (["--custom-async-data-buffer-path", "miles_aio.types:Sample"], "--custom-async-data-buffer-path"),
         (["--prompt-data", "/nonexistent/prompts.jsonl"], "--prompt-data"),
+        (
+            ["--eval-function-path", "no.such:Eval", "--eval-interval", "2", "--eval-hf-dir", "/tmp/x"],
+            "--eval-function-path",
+        ),
         (["--pause-generation-mode", "abort"], "--partial-rollout"),
     ],
 )

@@ -1,6 +1,8 @@
 """`DefaultDataBuffer`: a bounded FIFO of finished groups with put-time and get-time filters.
 
 put (rollout worker):
+  0. any FAILED sample         → ctx.on_unused(item, "failed") (user code raised under a drop/retry
+                                 --rollout-failure-policy); counted in rollout/failed_groups
   1. any ABORTED sample        → ctx.on_unused(item, "aborted"); counted in aborted_groups_filtered
   2. dynamic filter rejects    → ctx.on_filtered(item, reason); counted as drop_<reason>
   3. otherwise wait while full (capacity = floor(factor × rollout_batch_size)), then append.
@@ -45,6 +47,10 @@ class DefaultDataBuffer(DataBuffer):
 
     async def put(self, item: BufferItem) -> None:
         self._check_open()
+        if any(s.status == Status.FAILED for s in item.group):
+            self._failed += 1
+            self.ctx.on_unused(item, "failed")
+            return
         if any(s.status == Status.ABORTED for s in item.group):
             self._aborted += 1
             self.ctx.on_unused(item, "aborted")
@@ -89,6 +95,7 @@ class DefaultDataBuffer(DataBuffer):
             _P + "buffer_avg_staleness": sum(buffered) / len(buffered) if buffered else 0.0,
             _P + "buffer_max_staleness": float(max(buffered, default=0)),
         }
+        metrics["rollout/failed_groups"] = float(self._failed)
         for reason, n in self._drops.items():
             metrics[f"rollout/dynamic_filter/drop_{reason}"] = float(n)
         self._reset_window()
@@ -111,6 +118,7 @@ class DefaultDataBuffer(DataBuffer):
 
     def _reset_window(self) -> None:
         self._aborted = 0
+        self._failed = 0
         self._stale = 0
         self._drops: Counter[str] = Counter()
         self._consumed_staleness: list[int] = []

@@ -2,8 +2,10 @@
 
 `GroupFates.on_unused` is `--async-unused-samples-handler`: aborted and stale groups are recycled
 (`retry`: the pristine prompt group is served again before fresh prompts, under the same group id) or
-dropped. `on_filtered` handles dynamic-filter rejects, which are always dropped (they carry no
-usable gradient signal; recycling them would just resample the same easy or hopeless prompt).
+dropped. Groups whose user code raised ("failed") follow `--rollout-failure-policy` instead: `retry`
+recycles them, `drop` records the fate `failed`. `on_filtered` handles dynamic-filter rejects, which
+are always dropped (they carry no usable gradient signal; recycling them would just resample the same
+easy or hopeless prompt).
 Either way the scheduler stops counting the group, the ledger records its fate and its tokens are
 counted as wasted.
 """
@@ -27,12 +29,14 @@ class GroupFates:
         self,
         *,
         handler: Literal["retry", "drop"],
+        failure_policy: Literal["fail", "drop", "retry"] = "fail",
         discard: Callable[[int], None],
         ledger: Ledger,
         source: DataSource,
         accounting: StepAccounting,
     ) -> None:
         self._handler = handler
+        self._failure_policy = failure_policy
         self._discard = discard
         self._ledger = ledger
         self._source = source
@@ -42,7 +46,9 @@ class GroupFates:
         gid = item.group_index
         self._discard(gid)
         self._accounting.add_wasted(reason, item.group)
-        if self._handler == "retry":
+        if reason == "failed" and self._failure_policy != "retry":
+            self._ledger.record("failed", gid, reason="user code raised")
+        elif self._handler == "retry" or reason == "failed":
             self._ledger.record("recycled", gid, reason=reason)
             self._source.recycle(item.prompt_group)
         else:

@@ -18,13 +18,27 @@ from typing import Protocol
 
 import structlog
 
-__all__ = ["EvalDispatcher", "Evaluator"]
+__all__ = ["EvalDispatcher", "EvalPoints", "Evaluator"]
 
 log = structlog.get_logger("miles_aio.eval")
 
 
 class Evaluator(Protocol):
     async def evaluate(self) -> dict[str, float]: ...
+
+
+class EvalPoints(Protocol):
+    """What the controller drives: `EvalDispatcher` (mode 1) and `SnapshotEvalDispatcher` (modes 2, 3)."""
+
+    points: int
+
+    def due(self, steps_done: int) -> bool: ...
+
+    def dispatch(self, tg: asyncio.TaskGroup, *, steps_done: int, version: int) -> None: ...
+
+    async def wait_before_push(self, *, steps_done: int) -> float: ...
+
+    def collect(self) -> dict[str, float]: ...
 
 
 class EvalDispatcher:

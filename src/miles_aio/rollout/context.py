@@ -15,6 +15,7 @@ import structlog
 
 from miles_aio.config import RunConfig
 from miles_aio.inference.base import InferenceEngine, PauseMode
+from miles_aio.observability.trace import NullTracer, Tracer
 from miles_aio.rollout.limiter import Limiter
 from miles_aio.types import GenerateOutput
 
@@ -33,23 +34,32 @@ class Tokenizer(Protocol):
 class LimitedEngine:
     """An InferenceEngine whose `generate` holds one limiter slot per call; admin calls pass through."""
 
-    def __init__(self, engine: InferenceEngine, limiter: Limiter, *, priority: int = 0) -> None:
+    def __init__(
+        self, engine: InferenceEngine, limiter: Limiter, *, priority: int = 0, tracer: Tracer | None = None
+    ) -> None:
         self.inner = engine
         self.limiter = limiter
         self.priority = priority
         self.generated_tokens = 0
+        self.tracer = tracer if tracer is not None else NullTracer()
+        """Gets one slice per call (named `eval generate` above the rollout priority)."""
 
     def with_priority(self, priority: int) -> LimitedEngine:
-        """The same engine and limiter, queuing in another priority class (eval: above rollout)."""
-        return LimitedEngine(self.inner, self.limiter, priority=priority)
+        """The same engine, limiter and tracer, queuing in another priority class (eval: above rollout)."""
+        return LimitedEngine(self.inner, self.limiter, priority=priority, tracer=self.tracer)
 
     async def generate(
         self, *, input_ids: list[int], sampling_params: Mapping[str, Any], routing_key: Hashable | None = None
     ) -> GenerateOutput:
         async with self.limiter.slot(self.priority):
-            out = await self.inner.generate(
-                input_ids=input_ids, sampling_params=sampling_params, routing_key=routing_key
-            )
+            span, out = self.tracer.request_start(routing_key), None
+            try:
+                out = await self.inner.generate(
+                    input_ids=input_ids, sampling_params=sampling_params, routing_key=routing_key
+                )
+            finally:
+                name = "eval generate" if self.priority > 0 else "generate"
+                self.tracer.request_end(span, name, group=routing_key, output=out)
         self.generated_tokens += len(out.output_ids)
         return out
 

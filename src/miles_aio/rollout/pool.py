@@ -6,16 +6,21 @@ waits for: the user's coroutines, which wait for limiter slots and engine respon
 reports: `on_sample_done()` once per sample when its task ends, whatever the outcome (success,
          exception, cancellation), so the scheduler's slot accounting is conserved.
 
-A user exception cancels the group's other samples and propagates (loud by default; the failure
-policies of the reliability layer wrap this).
+Failures become statuses, not silent drops. An engine that stays unavailable after the client's
+retries (`EngineError`) makes the sample ABORTED (the buffer sends the group to the unused handler).
+An exception from user code follows `--rollout-failure-policy`: `fail` (default) cancels the group's
+other samples and propagates, failing the run loudly; `drop` and `retry` mark the sample FAILED with
+its traceback logged and in `metadata["error"]`, and the buffer drops or recycles the group.
 """
 
 from __future__ import annotations
 
 import asyncio
+import traceback
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+from miles_aio.errors import EngineError
 from miles_aio.rollout.context import RolloutContext
 from miles_aio.types import Group, Sample, Status
 
@@ -89,6 +94,18 @@ class RolloutPool:
                     if s.reward is None and _scorable(s):
                         s.reward = await self._reward(self.ctx, s)
             results[i] = outs
+        except EngineError as e:
+            sample.status = Status.ABORTED
+            sample.metadata["error"] = f"{type(e).__name__}: {e}"
+            self.ctx.log.warning("engine failed; sample aborted", sample=sample.index, error=str(e))
+            results[i] = [sample]
+        except Exception:
+            if self.ctx.config.rollout.rollout_failure_policy == "fail":
+                raise
+            sample.status = Status.FAILED
+            sample.metadata["error"] = traceback.format_exc()
+            self.ctx.log.error("user code raised; sample failed", sample=sample.index, exc_info=True)
+            results[i] = [sample]
         finally:
             on_sample_done()
 

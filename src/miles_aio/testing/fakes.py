@@ -146,11 +146,17 @@ class FakeTrainer:
     """A FAKE trainer: each step takes `step_time_s` (+ `per_token_s` per response token)."""
 
     def __init__(
-        self, *, step_time_s: float = 1.0, per_token_s: float = 0.0, sync_time_s: float = 0.0
+        self,
+        *,
+        step_time_s: float = 1.0,
+        per_token_s: float = 0.0,
+        sync_time_s: float = 0.0,
+        keep_batches: bool = True,
     ) -> None:
         self.step_time_s = step_time_s
         self.per_token_s = per_token_s
         self.sync_time_s = sync_time_s
+        self.keep_batches = keep_batches  # tests inspect what was trained; long runs must not hoard it
         self.steps: list[tuple[int, list[Group]]] = []
         self.synced_versions: list[int] = []
         self.loaded_step: int | None = None
@@ -158,7 +164,7 @@ class FakeTrainer:
     async def train(self, step: int, batch: list[Group]) -> dict[str, float]:
         tokens = sum(s.response_length for g in batch for s in g)
         await asyncio.sleep(self.step_time_s + self.per_token_s * tokens)
-        self.steps.append((step, batch))
+        self.steps.append((step, batch if self.keep_batches else []))
         return {"train/loss": 1.0 / (1 + step), "train/tokens": float(tokens)}
 
     async def sync_weights(self, engine: InferenceEngine, *, version: int) -> None:

@@ -1,0 +1,145 @@
+"""`RunObserver`: what the controller's step loop reports, kept out of the controller.
+
+Per step (`end_step`): engine load (`perf/engine/*`), the finished eval point's metrics, the logging
+hooks (`miles_aio.observability.hooks`), every metrics sink, the trace's step slice and counters, and
+the step's log line. Per step, `begin_step` binds `step` and `version` as structlog context variables,
+so every log line of the step loop carries them (`version` is rebound by `version_pushed`).
+
+Sinks: `<run-dir>/metrics.jsonl` (always, with files), the caller's sinks, wandb (`--use-wandb`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence, Sized
+
+import structlog
+
+from miles_aio.config import RunConfig
+from miles_aio.metrics import JsonlSink, MetricsSink, brief
+from miles_aio.observability.accounting import StepTimes
+from miles_aio.observability.engine_load import engine_load_metrics
+from miles_aio.observability.hooks import flat_args, resolve_log_hooks
+from miles_aio.observability.trace import NullTracer, Tracer
+from miles_aio.scheduler.policy import SchedulerState
+from miles_aio.types import Group
+
+__all__ = ["RunObserver"]
+
+log = structlog.get_logger("miles_aio.controller")
+
+
+class RunObserver:
+    """Owns the run's sinks, tracer and hooks; the controller calls it at each step and push."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        engine: object,
+        *,
+        sinks: Sequence[MetricsSink] = (),
+        write_files: bool = True,
+        num_engines: int = 1,
+    ) -> None:
+        o = cfg.observability
+        self.engine = engine
+        self.tracer: Tracer = (
+            Tracer(cfg.run_dir / o.trace, num_engines=num_engines, max_events=o.trace_max_events)
+            if write_files and o.trace
+            else NullTracer()
+        )
+        self.jsonl = JsonlSink(cfg.run_dir / "metrics.jsonl") if write_files else None
+        self.sinks: list[MetricsSink] = [self.jsonl] if self.jsonl is not None else []
+        self.sinks.extend(sinks)
+        if o.use_wandb and write_files:
+            from miles_aio.observability.wandb_sink import WandbSink
+
+            self.sinks.append(WandbSink(cfg))
+        self.hooks = resolve_log_hooks(cfg)
+        self.args = flat_args(cfg)
+        self.version: int | None = None
+        self._buffer: Sized = ()
+        self._state = SchedulerState()
+        self._evals: object = None
+        self._eval_started: dict[int, float] = {}  # eval step → when its point was dispatched
+
+    def watch(self, buffer: Sized, state: SchedulerState) -> None:
+        """The run's buffer and scheduler state: counter tracks and `rollout/in_flight_groups`."""
+        self._buffer, self._state = buffer, state
+
+    def sample_counters(self) -> None:
+        """Counter tracks `buffer_depth` (groups) and `in_flight_samples` (limiter slots of the worker)."""
+        if self.tracer.enabled:
+            self.tracer.counter("buffer_depth", len(self._buffer))
+            self.tracer.counter("in_flight_samples", self._state.slots_held)
+
+    def begin_step(self, step: int, version: int | None) -> None:
+        structlog.contextvars.bind_contextvars(step=step, version=version)
+
+    def version_pushed(self, version: int) -> None:
+        """A push finished: rebind the log context, sample the counters."""
+        self.version = version
+        structlog.contextvars.bind_contextvars(version=version)
+        self.sample_counters()
+
+    def eval_dispatched(self, steps_done: int, evals: object) -> None:
+        """An eval point started (its trace slice ends when its metrics arrive)."""
+        self._evals = evals
+        self._eval_started[steps_done] = self.tracer.now()
+
+    def _trace_eval(self, metrics: dict[str, float]) -> None:
+        start = self._eval_started.pop(int(metrics.get("eval/step", -1)), None)
+        if start is None:
+            return
+        duration = metrics.get("eval/duration_seconds")
+        end = start + duration if duration is not None else None
+        shown = {k: v for k, v in metrics.items() if "accuracy" in k or k in ("eval/step", "eval/version")}
+        self.tracer.complete("eval point", track="eval", start=start, end=end, **shown)
+
+    async def end_step(
+        self,
+        step: int,
+        groups: list[Group],
+        metrics: dict[str, float],
+        *,
+        eval_metrics: dict[str, float],
+        times: StepTimes,
+        start: float,
+        train_start: float,
+    ) -> dict[str, float]:
+        """Finish the step's record (returned), call the hooks, log it to the sinks, trace it."""
+        metrics["rollout/policy_version"] = float(self.version or 0)
+        metrics["rollout/in_flight_groups"] = float(self._state.in_flight_groups)
+        metrics.update(await engine_load_metrics(self.engine))
+        metrics.update(eval_metrics)
+        samples = [s for g in groups for s in g]
+        skip_step = await self.hooks.log_rollout(self.args, step, samples, metrics, times.step_s)
+        skip_eval = "eval/step" in eval_metrics and await self.hooks.log_eval(
+            self.args, eval_metrics, getattr(self._evals, "last_samples", None)
+        )
+        default = {k: v for k, v in metrics.items() if k not in eval_metrics} if skip_eval else metrics
+        for sink in self.sinks:
+            if sink is self.jsonl:
+                sink.log(step, metrics)
+            elif not skip_step:
+                sink.log(step, default)
+        tr = self.tracer
+        if tr.enabled:
+            tr.complete("wait data", track="trainer", start=start, end=train_start)
+            tr.complete("train", track="trainer", start=train_start, end=train_start + times.train_s)
+            tr.complete(
+                f"step {step}", track="trainer", start=start, groups=len(groups), samples=len(samples)
+            )
+            self.sample_counters()
+            if eval_metrics:
+                self._trace_eval(eval_metrics)
+        log.info("step", **brief(metrics))
+        return metrics
+
+    def close(self) -> None:
+        """Close every sink and write the trace (the end of a run, also a failed one)."""
+        structlog.contextvars.unbind_contextvars("step", "version")
+        try:
+            for sink in self.sinks:
+                sink.close()
+        finally:
+            self.tracer.close()

@@ -1,0 +1,108 @@
+"""perf/engine/* from the engines' /server_info internal_states and the router's stats."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from miles_aio.controller import Controller
+from miles_aio.errors import EngineUnavailable
+from miles_aio.observability.engine_load import engine_load_metrics
+from miles_aio.plugins import resolve_plugins
+from miles_aio.testing import FakeLatencyEngine, FakeTokenizer, FakeTrainer, LogNormalLatency
+from tests.helpers import make_config, make_source
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class InfoClient:
+    def __init__(self, states: list[dict[str, Any]] | None = None, *, hang: bool = False, fail: bool = False):
+        self.states, self.hang, self.fail = states, hang, fail
+
+    async def server_info(self) -> dict[str, Any]:
+        if self.hang:
+            await asyncio.sleep(3600)
+        if self.fail:
+            raise EngineUnavailable("down")
+        return {"internal_states": self.states or []}
+
+
+class FakeRouter:
+    def __init__(self, clients: list[InfoClient]) -> None:
+        self._clients = tuple(clients)
+
+    @property
+    def clients(self) -> tuple[InfoClient, ...]:
+        return self._clients
+
+    def stats(self) -> dict[str, float]:
+        return {"router/latency_p50_s": 0.5, "router/latency_p99_s": 4.0, "router/in_flight": 7.0}
+
+
+def test_engine_load_sums_states_and_skips_engines_that_do_not_answer(vrun: Any) -> None:
+    router = FakeRouter(
+        [
+            InfoClient([{"num_running_reqs": 3, "num_waiting_reqs": 1}, {"num_running_reqs": 2}]),
+            InfoClient([{"#running-req": 4, "num_queue_reqs": 5}]),
+            InfoClient(hang=True),
+            InfoClient(fail=True),
+            InfoClient([{}]),
+        ]
+    )
+
+    async def main() -> tuple[dict[str, float], float]:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        out = await engine_load_metrics(router, timeout_s=2.0)
+        return out, loop.time() - t0
+
+    metrics, waited = vrun(main())
+    assert waited == pytest.approx(2.0, abs=0.01)  # bounded by the timeout (virtual time)
+    assert metrics == {
+        "perf/engine/0/num_running_reqs": 5.0,
+        "perf/engine/0/queue_len": 1.0,
+        "perf/engine/1/num_running_reqs": 4.0,
+        "perf/engine/1/queue_len": 5.0,
+        "perf/engine/num_running_reqs": 9.0,
+        "perf/engine/queue_len": 6.0,
+        "perf/engine/latency_p50_s": 0.5,
+        "perf/engine/latency_p99_s": 4.0,
+        "perf/engine/in_flight": 7.0,
+    }
+
+
+def test_engines_without_load_reporting_give_no_metrics(vrun: Any) -> None:
+    assert vrun(engine_load_metrics(FakeLatencyEngine(LogNormalLatency(1.0, 2.0)))) == {}
+
+
+class LoadedEngine(FakeLatencyEngine):
+    """The fake engine, reporting its in-flight requests as the engines' running requests."""
+
+    @property
+    def clients(self) -> tuple[InfoClient, ...]:
+        return (InfoClient([{"num_running_reqs": self.in_flight, "num_waiting_reqs": 0}]),)
+
+    def stats(self) -> dict[str, float]:
+        return {"router/latency_p50_s": 1.0}
+
+
+def test_controller_merges_engine_load_into_the_step_metrics(vrun: Any, tmp_path: Path) -> None:
+    cfg = make_config(tmp_path / "run", num_rollout=3)
+    controller = Controller(
+        cfg,
+        engine=LoadedEngine(LogNormalLatency(1.0, 5.0), tokens_per_s=10.0),
+        trainer=FakeTrainer(step_time_s=1.0),
+        source=make_source(n=2),
+        plugins=resolve_plugins(cfg),
+        tokenizer=FakeTokenizer(),
+    )
+    vrun(controller.run())
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3
+    for r in rows:
+        assert r["perf/engine/num_running_reqs"] >= 0 and r["perf/engine/queue_len"] == 0
+        assert r["perf/engine/latency_p50_s"] == 1.0
