@@ -30,7 +30,7 @@ def install_project(session: nox.Session, extras: str) -> None:
 @nox.session(python="3.11")
 def tests(session: nox.Session) -> None:
     """The CPU test suite (the GPU tests in tests/gpu skip themselves, with the reason shown)."""
-    install_project(session, "test")
+    install_project(session, "test,wandb")
     session.run("pytest", *session.posargs, env={"WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"})
 
 
@@ -45,7 +45,7 @@ def lint(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def typecheck(session: nox.Session) -> None:
     """mypy --strict on src/miles_aio."""
-    install_project(session, "dev")
+    install_project(session, "dev,wandb")
     session.run("mypy")
 
 
