@@ -51,9 +51,10 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def bench(session: nox.Session) -> None:
-    """Run the benchmarks and write their JSON results under bench-results/."""
+    """Run the benchmarks and write their JSON results under bench-results/ (several minutes)."""
     install_project(session, "test")
-    session.run("python", "-m", "benchmarks.pipeline", "--output", "bench-results/pipeline.json")
+    for name in ("pipeline", "client", "engine", "weight_sync", "soak"):
+        session.run("python", "-m", f"benchmarks.{name}", "--output", f"bench-results/{name}.json")
 
 
 @nox.session(python="3.11")
