@@ -13,15 +13,16 @@ async def finish_even_if_cancelled(coro: Coroutine[Any, Any, None]) -> None:
     """Await `coro` to its end even if the caller is cancelled meanwhile, then re-raise the cancellation.
 
     For cleanup that must not be abandoned half-way (taking child processes down). The cleanup runs as
-    its own shielded task, awaited right here, so it never outlives the caller.
+    its own task, owned by a TaskGroup right here and shielded from our cancellation; the body waits for
+    it, so it never outlives the caller.
     """
-    task = asyncio.ensure_future(coro)
     cancelled = False
-    while not task.done():
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            cancelled = True
-    task.result()
+    async with asyncio.TaskGroup() as tg:
+        task = tg.create_task(coro, name="cleanup")
+        while not task.done():
+            try:
+                await asyncio.shield(task)
+            except asyncio.CancelledError:
+                cancelled = True  # keep waiting; re-raised once the cleanup is done
     if cancelled:
         raise asyncio.CancelledError

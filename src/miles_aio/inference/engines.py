@@ -49,6 +49,7 @@ async def open_engines(
                     num_engines=e.num_engines,
                     weights_root=cfg.run_dir,
                     num_threads=e.engine_num_threads,
+                    log_dir=cfg.run_dir / "logs",
                 )
             )
         router = await stack.enter_async_context(

@@ -4,9 +4,10 @@
         ...  # urls == ["http://127.0.0.1:41233", "http://127.0.0.1:40111"]
 
 Each child is `python -m miles_aio.inference.local --port 0 --exit-on-stdin-eof ...`. The launcher reads
-each child's stdout until its one JSON "ready" line (so no port is guessed and nothing polls), and drains
-stderr into a bounded tail in the meantime (a full pipe would block the child). A child that exits before
-it is ready raises `EngineStartError` with that tail.
+each child's stdout until its one JSON "ready" line (so no port is guessed and nothing polls); after that
+line the child points its stdout at its stderr, so the pipe never fills. Stderr goes to
+`<log_dir>/engine-<i>.log` (a fresh temporary folder if none is given), so no task has to drain it. A
+child that exits before it is ready raises `EngineStartError` with the tail of its log.
 
 Cleanup, on every exit path (normal, exception, cancellation): SIGTERM, up to `_TERM_GRACE_S` to exit, then
 SIGKILL. If the controller itself is SIGKILLed, the children see stdin EOF and exit on their own.
@@ -18,10 +19,10 @@ import asyncio
 import contextlib
 import json
 import sys
-from collections import deque
+import tempfile
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -44,11 +45,14 @@ class EngineStartError(RuntimeError):
 class _Child:
     index: int
     proc: asyncio.subprocess.Process
-    stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=_STDERR_TAIL_LINES))
-    drains: list[asyncio.Task[None]] = field(default_factory=list)
+    log_path: Path
 
     def tail(self) -> str:
-        return "".join(self.stderr_tail) or "(no stderr output)"
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()[-_STDERR_TAIL_LINES:]
+        except OSError:
+            lines = []
+        return "\n".join(lines) or "(no stderr output)"
 
 
 @asynccontextmanager
@@ -60,6 +64,7 @@ async def launch_local_engines(
     num_threads: int = 1,
     extra_args: Sequence[str] = (),
     ready_timeout_s: float = 120.0,
+    log_dir: Path | str | None = None,
 ) -> AsyncIterator[list[str]]:
     """Start `num_engines` engines on loopback ports and yield their base URLs (in start order)."""
     if num_engines < 1:
@@ -79,18 +84,20 @@ async def launch_local_engines(
     if weights_root is not None:
         cmd += ["--weights-root", str(weights_root)]
     cmd += list(extra_args)
+    logs = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="miles-aio-engines-"))
+    logs.mkdir(parents=True, exist_ok=True)
     children: list[_Child] = []
     try:
         for i in range(num_engines):
-            proc = await asyncio.create_subprocess_exec(
-                *cmd,
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-            )
-            child = _Child(i, proc)
-            children.append(child)
-            child.drains.append(asyncio.create_task(_drain_stderr(child), name=f"engine-{i}-stderr"))
+            log_path = logs / f"engine-{i}.log"
+            with log_path.open("ab") as log_file:
+                proc = await asyncio.create_subprocess_exec(
+                    *cmd,
+                    stdin=asyncio.subprocess.PIPE,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=log_file,
+                )
+            children.append(_Child(i, proc, log_path))
         try:
             async with asyncio.timeout(ready_timeout_s):
                 urls = [await _wait_ready(c) for c in children]
@@ -99,10 +106,6 @@ async def launch_local_engines(
                 f"engine not ready after {ready_timeout_s} s; stderr tail:\n"
                 + "\n".join(f"[engine {c.index}] {c.tail()}" for c in children)
             ) from None
-        for child in children:  # nothing else is expected on stdout, but a full pipe would block the child
-            child.drains.append(
-                asyncio.create_task(_drain_stdout(child), name=f"engine-{child.index}-stdout")
-            )
         _log.info("engines.ready", urls=urls, pids=[c.proc.pid for c in children])
         yield urls
     finally:
@@ -123,32 +126,13 @@ async def _wait_ready(child: _Child) -> str:
             host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)  # a wildcard bind: dial loopback
             return f"http://[{host}]:{msg['port']}" if ":" in host else f"http://{host}:{msg['port']}"
     rc = await child.proc.wait()
-    for task in child.drains:  # let stderr reach EOF so the tail is complete
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(asyncio.shield(task), timeout=2.0)
     raise EngineStartError(
         f"engine {child.index} exited with code {rc} before it was ready; stderr tail:\n{child.tail()}"
     )
 
 
-async def _drain_stderr(child: _Child) -> None:
-    assert child.proc.stderr is not None
-    while line := await child.proc.stderr.readline():
-        child.stderr_tail.append(line.decode(errors="replace"))
-
-
-async def _drain_stdout(child: _Child) -> None:
-    assert child.proc.stdout is not None
-    while await child.proc.stdout.read(4096):
-        pass
-
-
 async def _stop_all(children: list[_Child]) -> None:
     await asyncio.gather(*(_stop(c) for c in children))
-    for child in children:
-        for task in child.drains:
-            task.cancel()
-        await asyncio.gather(*child.drains, return_exceptions=True)
 
 
 async def _stop(child: _Child) -> None:

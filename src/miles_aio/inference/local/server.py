@@ -111,6 +111,9 @@ async def serve(cfg: ServerConfig) -> None:
             ready = {"event": "ready", "host": cfg.host, "port": state.port, "pid": os.getpid()}
             sys.stdout.write(json.dumps(ready) + "\n")  # the launcher waits on this line
             sys.stdout.flush()
+            # From here on stdout is stderr: the launcher stops reading the pipe after the ready line, so
+            # nothing (a chatty library) may ever fill it and block this process.
+            os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
             _log.info("engine.ready", host=cfg.host, port=state.port)
             await stop.wait()
             _log.info("engine.stopping")
