@@ -21,13 +21,13 @@ controller. `--dry-run` prints this plan for your flags without starting anythin
 from __future__ import annotations
 
 import argparse
-import dataclasses
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from miles_aio.config import RunConfig
-from miles_aio.recipe import Recipe, RunParts, main
+from miles_aio.errors import ConfigError
+from miles_aio.recipe import Recipe, RunParts, main, open_run_parts
 
 DEFAULTS: dict[str, Any] = {
     # rollout: as miles' Qwen3 fully async examples
@@ -67,22 +67,10 @@ def train_defaults() -> dict[str, Any]:
     }
 
 
-@asynccontextmanager
-async def build(cfg: RunConfig, ns: argparse.Namespace) -> AsyncIterator[RunParts]:
-    from transformers import AutoTokenizer
-
-    from miles_aio.inference.engines import open_engines
-    from miles_aio.trainer.actor import TrainerActor
-
-    model = cfg.train.hf_checkpoint
-    assert model is not None
-    trainer_gpus = cfg.train.actor_num_nodes * cfg.train.actor_num_gpus_per_node
-    async with (
-        open_engines(cfg, model_path=model, gpu_offset=trainer_gpus, sglang_args=ns.sglang_args) as router,
-        TrainerActor.open(dataclasses.replace(cfg.train), cfg, run_dir=cfg.run_dir) as trainer,
-    ):
-        tok = AutoTokenizer.from_pretrained(model)
-        yield RunParts(engine=router, trainer=trainer, tokenizer=tok, num_engines=cfg.engine.num_engines)
+def build(cfg: RunConfig, ns: argparse.Namespace) -> AbstractAsyncContextManager[RunParts]:
+    if cfg.train.hf_checkpoint is None:
+        raise ConfigError("the model to train", flags=["--hf-checkpoint"])
+    return open_run_parts(cfg, ns, model_path=cfg.train.hf_checkpoint)
 
 
 def plan(cfg: RunConfig, ns: argparse.Namespace) -> dict[str, Any]:

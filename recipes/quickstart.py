@@ -17,15 +17,14 @@ The run directory gets metrics.jsonl, ledger.jsonl, the final checkpoint and PNG
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from miles_aio.config import RunConfig
 from miles_aio.data.source import PromptRecord
-from miles_aio.recipe import Recipe, RunParts, main
+from miles_aio.recipe import Recipe, RunParts, main, open_run_parts
 from miles_aio.tasks.arithmetic import make_splits
 
 DEFAULTS: dict[str, Any] = {
@@ -84,22 +83,8 @@ def prepare(cfg: RunConfig, ns: argparse.Namespace) -> None:
         warm_start(model_dir, train, target_accuracy=ns.warm_start_accuracy)
 
 
-@asynccontextmanager
-async def build(cfg: RunConfig, ns: argparse.Namespace) -> AsyncIterator[RunParts]:
-    from miles_aio.inference.engines import open_engines
-    from miles_aio.models.tiny import load_tokenizer
-    from miles_aio.trainer.actor import TrainerActor
-
-    model_dir = cfg.run_dir / "model"
-    train_cfg = dataclasses.replace(cfg.train, hf_checkpoint=model_dir)
-    async with (
-        open_engines(cfg, model_path=model_dir) as router,
-        TrainerActor.open(train_cfg, cfg, run_dir=cfg.run_dir) as trainer,
-    ):
-        tokenizer = load_tokenizer(model_dir)
-        yield RunParts(
-            engine=router, trainer=trainer, tokenizer=tokenizer, num_engines=cfg.engine.num_engines
-        )
+def build(cfg: RunConfig, ns: argparse.Namespace) -> AbstractAsyncContextManager[RunParts]:
+    return open_run_parts(cfg, ns, model_path=cfg.run_dir / "model")
 
 
 def plan(cfg: RunConfig, ns: argparse.Namespace) -> dict[str, Any]:

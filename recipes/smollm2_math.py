@@ -19,19 +19,18 @@ benchmark, and it is not part of CI (only its --dry-run is).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.util
 import os
 import random
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
 from miles_aio.config import RunConfig
 from miles_aio.data.source import PromptRecord
 from miles_aio.errors import ConfigError
-from miles_aio.recipe import Recipe, RunParts, main
+from miles_aio.recipe import Recipe, RunParts, main, open_run_parts
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -106,24 +105,8 @@ def prepare(cfg: RunConfig, ns: argparse.Namespace) -> None:
         convert(model_dir)
 
 
-@asynccontextmanager
-async def build(cfg: RunConfig, ns: argparse.Namespace) -> AsyncIterator[RunParts]:
-    from transformers import AutoTokenizer
-
-    from miles_aio.inference.engines import open_engines
-    from miles_aio.trainer.actor import TrainerActor
-
-    model_dir = cfg.run_dir / "model"
-    async with (
-        open_engines(cfg, model_path=model_dir) as router,
-        TrainerActor.open(
-            dataclasses.replace(cfg.train, hf_checkpoint=model_dir), cfg, run_dir=cfg.run_dir
-        ) as trainer,
-    ):
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        yield RunParts(
-            engine=router, trainer=trainer, tokenizer=tokenizer, num_engines=cfg.engine.num_engines
-        )
+def build(cfg: RunConfig, ns: argparse.Namespace) -> AbstractAsyncContextManager[RunParts]:
+    return open_run_parts(cfg, ns, model_path=cfg.run_dir / "model")
 
 
 RECIPE = Recipe(

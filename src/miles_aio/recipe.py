@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime as dt
 import json
 import signal
 import sys
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import structlog
 
@@ -38,7 +39,7 @@ from miles_aio.plugins import Plugins, resolve_plugins
 from miles_aio.rollout.context import Tokenizer
 from miles_aio.trainer.base import Trainer
 
-__all__ = ["Recipe", "RunParts", "main"]
+__all__ = ["Recipe", "RunParts", "main", "open_run_parts"]
 
 log = structlog.get_logger("miles_aio.recipe")
 
@@ -74,6 +75,35 @@ class Recipe:
     """Extra lines for the --dry-run plan (processes, engines, devices)."""
     checkpoints_in_run_dir: bool = False
     """Without --save, checkpoint to <run-dir>/checkpoints (every --save-interval steps and at the end)."""
+
+
+@asynccontextmanager
+async def open_run_parts(
+    cfg: RunConfig, ns: argparse.Namespace, *, model_path: Path
+) -> AsyncIterator[RunParts]:
+    """The usual `Recipe.build`: rollout engines (`--rollout-backend`) and trainer ranks on `model_path`,
+    with its tokenizer. SGLang engines go on the GPUs after the trainer's."""
+    from transformers import AutoTokenizer
+
+    from miles_aio.inference.engines import open_engines
+    from miles_aio.trainer.actor import TrainerActor
+
+    t = cfg.train
+    trainer_gpus = (
+        t.actor_num_nodes * t.actor_num_gpus_per_node if cfg.engine.rollout_backend == "sglang" else 0
+    )
+    async with (
+        open_engines(
+            cfg, model_path=model_path, gpu_offset=trainer_gpus, sglang_args=ns.sglang_args
+        ) as router,
+        TrainerActor.open(
+            dataclasses.replace(t, hf_checkpoint=model_path), cfg, run_dir=cfg.run_dir
+        ) as trainer,
+    ):
+        tokenizer = cast("Tokenizer", AutoTokenizer.from_pretrained(model_path))
+        yield RunParts(
+            engine=router, trainer=trainer, tokenizer=tokenizer, num_engines=cfg.engine.num_engines
+        )
 
 
 def _parser(recipe: Recipe) -> argparse.ArgumentParser:

@@ -30,8 +30,8 @@ class Trainer(Protocol):
         """Write model/optimizer/RNG state for `step` under `directory`."""
         ...
 
-    async def load(self, directory: Path) -> None:
-        """Restore what `save` wrote."""
+    async def load(self, directory: Path) -> int | None:
+        """Restore what `save` wrote (returns the saved step where the trainer knows it)."""
         ...
 
     async def aclose(self) -> None: ...
