@@ -18,7 +18,6 @@ and the error propagates to the controller, which fails the next drain with it.
 from __future__ import annotations
 
 import asyncio
-import copy
 from collections import defaultdict
 from dataclasses import replace
 from typing import NoReturn
@@ -56,7 +55,9 @@ class RolloutWorker:
         self._buffer = buffer
         self._ledger = ledger
         self._changed = Notifier()
-        self._pending: dict[int, Group] = {}  # admitted, not yet handed to the buffer: pristine copies
+        # admitted, not yet handed to the buffer; their pristine prompt groups are rebuilt from the data
+        # source on demand (deterministic from the group id) rather than deep-copied on every admission
+        self._pending: set[int] = set()
         self._resubmit: list[Group] = []  # in flight at a checkpoint: admitted again first on resume
         # time the admission loop spent blocked, by reason (capacity, buffer_full, pacing, paused)
         self._blocked_s: defaultdict[str, float] = defaultdict(float)
@@ -80,7 +81,7 @@ class RolloutWorker:
                 gid = prompt_group[0].group_index
                 self.state.on_admit(gid, len(prompt_group))
                 self._ledger.record("resubmitted" if resubmitted else "admitted", gid)
-                self._pending[gid] = copy.deepcopy(prompt_group)
+                self._pending.add(gid)
                 tg.create_task(self._run_group(gid, prompt_group), name=f"rollout-group-{gid}")
 
     async def _run_group(self, gid: int, prompt_group: Group) -> None:
@@ -89,14 +90,14 @@ class RolloutWorker:
         finally:
             self.state.on_group_generated(gid)
             self._changed.notify()
-        item = BufferItem(group=group, prompt_group=self._pending[gid])
+        item = BufferItem(group=group, prompt_group=self._source.make_group(gid))
         self.state.on_put_blocked()
         try:
             await self._buffer.put(item)
         finally:
             self.state.on_put_unblocked()
             self._changed.notify()
-        del self._pending[gid]
+        self._pending.discard(gid)
         self.finished_groups += 1
 
     def _sample_done(self, gid: int) -> None:
@@ -146,4 +147,4 @@ class RolloutWorker:
 
     def pending_prompt_groups(self) -> list[Group]:
         """Prompt groups admitted but not yet in the buffer (for checkpoints: re-submitted on resume)."""
-        return [copy.deepcopy(g) for g in self._pending.values()]
+        return [self._source.make_group(gid) for gid in sorted(self._pending)]
