@@ -99,7 +99,6 @@ class Controller:
         self.trainer = trainer
         self.source = source
         self.version: int | None = None
-        self._write_files = write_files
         self._worker_error: BaseException | None = None
         self.start_step = 0
         self.stopped = False
