@@ -3,8 +3,9 @@
     python tests/gpu/gpu_report.py [--output gpu_report.json]
 
 Runs the real TrainerActor (rank processes, CUDA) on a small Llama (hidden 1024, 8 layers, ~0.1B
-parameters) for a few steps with each backend, and times a disk weight sync (safetensors written for
-the engines). Not a test: a report, run by hand on a GPU machine (the tests are test_gpu_trainer.py).
+parameters) for a few steps with each backend (and megatron with PP=2 when there are 2 GPUs), and
+times a disk weight sync (safetensors written for the engines). Not a test: a report, run by hand on a
+GPU machine (the tests are test_gpu_trainer.py).
 """
 
 from __future__ import annotations
@@ -87,15 +88,27 @@ def main() -> None:
             p.numel()
             for p in __import__("safetensors.torch").torch.load_file(model / "model.safetensors").values()
         )
-        rows = []
-        for backend in ("fsdp", "megatron"):
+        rows: list[dict[str, Any]] = []
+        runs: list[tuple[str, dict[str, Any]]] = [("fsdp", {}), ("megatron", {})]
+        if torch.cuda.device_count() >= 2:  # one GPU per pipeline stage
+            runs.append(("megatron", {"pipeline_model_parallel_size": 2, "actor_num_gpus_per_node": 2}))
+        else:
+            rows.append(
+                {"backend": "megatron pp=2", "skipped": f"needs 2 GPUs, found {torch.cuda.device_count()}"}
+            )
+        for i, (backend, extra) in enumerate(runs):
             cfg = TrainConfig(
-                hf_checkpoint=model, lr=1e-5, use_tis=True, micro_batch_size=16, train_backend=backend
+                hf_checkpoint=model,
+                lr=1e-5,
+                use_tis=True,
+                micro_batch_size=16,
+                train_backend=backend,
+                **extra,
             )
             try:
-                rows.append(asyncio.run(measure(cfg, Path(tmp) / backend, args.steps)))
+                rows.append(asyncio.run(measure(cfg, Path(tmp) / f"{backend}{i}", args.steps)))
             except Exception as e:  # report, don't hide: the failure is the figure
-                rows.append({"backend": backend, "error": repr(e)[:2000]})
+                rows.append({"backend": backend, **extra, "error": repr(e)[:2000]})
     report = {
         "gpu": torch.cuda.get_device_name(0),
         "torch": torch.__version__,

@@ -1,4 +1,4 @@
-"""The trainer on CUDA: HF/FSDP and megatron-core train steps, disk sync, and an NCCL broadcast sync.
+"""The trainer on CUDA: HF/FSDP and megatron-core (also PP=2) train steps, disk sync, an NCCL broadcast sync.
 
 Skipped (with the reason shown) when `torch.cuda.is_available()` is False. Written for one or more
 NVIDIA GPUs with a CUDA torch (Python 3.12, megatron-core 0.19 expected there). Self-contained: it does
@@ -118,6 +118,28 @@ def test_hf_and_megatron_train_steps_on_cuda(model_dir: Path, tmp_path: Path) ->
     assert mg["wrapper"].startswith("megatron")
     # Same initial weights, both under bf16 autocast: log-probs agree to bf16 precision.
     torch.testing.assert_close(mg["before"], hf["before"], atol=5e-2, rtol=0)
+
+
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2,
+    reason=f"pipeline parallelism needs 2 GPUs, one per stage; found {torch.cuda.device_count()}",
+)
+def test_megatron_pipeline_parallel_on_cuda(model_dir: Path, tmp_path: Path) -> None:
+    """PP=2 over 2 GPUs (1F1B schedule over NCCL) trains like the 1-GPU megatron run."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    one = asyncio.run(_step(_cfg(model_dir, train_backend="megatron"), tmp_path / "pp1"))
+    pp_cfg = _cfg(
+        model_dir, train_backend="megatron", pipeline_model_parallel_size=2, actor_num_gpus_per_node=2
+    )
+    pp = asyncio.run(_step(pp_cfg, tmp_path / "pp2"))
+    _check_step(pp)
+    assert pp["wrapper"] == "megatron(tp=1,pp=2,dp=1)"
+    assert set(pp["w1"]) == set(one["w1"])
+    # Same kernels per layer under bf16 autocast, stages hand over fp32 activations: the log-probs agree
+    # to bf16 precision, and the weights after one AdamW step (lr 1e-3) to within one step's size.
+    torch.testing.assert_close(pp["before"], one["before"], atol=1e-2, rtol=0)
+    for k, v in one["w1"].items():
+        torch.testing.assert_close(pp["w1"][k], v, atol=2e-3, rtol=0, msg=k)
 
 
 def _free_port() -> int:

@@ -43,7 +43,7 @@ def test_megatron_tp2_step_matches_hf_and_checkpoints(model_dir: Path, tmp_path:
 
     async def megatron() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         async with TrainerActor.open(mg_cfg, run_dir=tmp_path / "mg") as actor:
-            assert actor.wrapper == "megatron(tp=2,dp=1)"
+            assert actor.wrapper == "megatron(tp=2,pp=1,dp=1)"
             await actor.train(0, make_batch(0))
             after_one = await actor.get_weights()
             await actor.save(0, tmp_path / "ckpt")

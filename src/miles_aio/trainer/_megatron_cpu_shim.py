@@ -2,9 +2,10 @@
 
 megatron-core assumes CUDA in a few places that have nothing to do with the math: the CUDA RNG tracker,
 `torch.cuda.current_device()` used as a device, and `torch.tensor(..., device="cuda")` scalars in the
-optimizer utilities (see reference/cpu-stack.md §1). `apply()` patches exactly those, and only when
-`torch.cuda.is_available()` is False; on a GPU machine it does nothing. It never touches numerics:
-forward, backward and the parameter update are megatron's own code.
+optimizer utilities and the pipeline schedule (see reference/cpu-stack.md §1), plus
+`torch.cuda.synchronize()` and `Tensor.cuda()` on the pipeline-parallel paths. `apply()` patches exactly
+those, and only when `torch.cuda.is_available()` is False; on a GPU machine it does nothing. It never
+touches numerics: forward, backward and the parameter update are megatron's own code.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ _PATCHED_MODULES: Final = (
     "megatron.core.optimizer.grad_scaler",
     "megatron.core.optimizer.distrib_optimizer",
     "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.pipeline_parallel.schedules",  # the schedule's token counter is a "cuda" tensor
     "megatron.core.utils",
 )
 _applied = False
@@ -67,6 +69,10 @@ def apply() -> None:
     _set(torch.cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state())
     _set(torch.cuda, "manual_seed", lambda seed: torch.manual_seed(seed))
     _set(torch.cuda, "current_stream", lambda device=None: _NullStream())
+    # Pipeline p2p: shape exchanges end with torch.cuda.synchronize() (CPU ops are synchronous anyway),
+    # and a tied embedding's last-stage copy is moved with `.cuda()` before its initial all-reduce.
+    _set(torch.cuda, "synchronize", lambda device=None: None)
+    _set(torch.Tensor, "cuda", lambda self, *a, **k: self)
     _set(mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
     _set(mrandom, "_set_cuda_rng_state", lambda new_state, *a, **k: torch.set_rng_state(new_state))
     for name in _PATCHED_MODULES:

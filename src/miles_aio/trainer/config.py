@@ -57,7 +57,9 @@ class TrainConfig:
         "auto", "fsdp backend wrapper: FSDP2 fully_shard, DDP, or auto (FSDP2 when world size > 1)."
     )
     tensor_model_parallel_size: int = opt(1, "Megatron tensor parallel size.")
-    pipeline_model_parallel_size: int = opt(1, "Megatron pipeline parallel size.")
+    pipeline_model_parallel_size: int = opt(
+        1, "Megatron pipeline parallel size (the model's layer count must be a multiple of it)."
+    )
     seed: int = opt(1234, "Seed of the trainer's RNGs.")
     trainer_host: str = opt(
         "127.0.0.1", "Address the controller listens on for trainer ranks (non-loopback needs a secret)."
@@ -203,11 +205,7 @@ class TrainConfig:
                 "tensor/pipeline parallelism needs --train-backend megatron",
                 flags=["--train-backend", "--tensor-model-parallel-size", "--pipeline-model-parallel-size"],
             )
-        if self.pipeline_model_parallel_size > 1:
-            raise ConfigError(
-                "pipeline parallelism is not implemented by the megatron backend yet (tensor parallel is)",
-                flags=["--pipeline-model-parallel-size"],
-            )
+        self._check_pipeline_layers()
         mp = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
         if self.world_size % mp:
             raise ConfigError(
@@ -223,6 +221,23 @@ class TrainConfig:
             raise ConfigError(
                 "ranks on other nodes cannot dial a loopback address; give the controller's address",
                 flags=["--actor-num-nodes", "--trainer-host"],
+            )
+
+    def _check_pipeline_layers(self) -> None:
+        """Megatron splits the decoder layers evenly over the pipeline stages: the checkpoint's layer
+        count must be a multiple of PP (checked when its config.json is readable here)."""
+        pp = self.pipeline_model_parallel_size
+        cfg_file = None if self.hf_checkpoint is None else Path(self.hf_checkpoint) / "config.json"
+        if pp == 1 or cfg_file is None or not cfg_file.is_file():
+            return
+        try:
+            layers = int(json.loads(cfg_file.read_text())["num_hidden_layers"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return  # not an HF config we can read: the rank reports the problem when it loads the model
+        if layers % pp:
+            raise ConfigError(
+                f"the model's {layers} decoder layers do not split evenly into {pp} pipeline stages",
+                flags=["--pipeline-model-parallel-size", "--hf-checkpoint"],
             )
 
     @property

@@ -36,6 +36,7 @@ __all__ = [
     "entropy_from_logits",
     "finalize_metrics",
     "kl_estimate",
+    "micro_batch_loss",
     "policy_loss",
     "ppo_clip_loss",
     "scalar_reward",
@@ -278,6 +279,34 @@ def policy_loss(
         if s.use_opsm:
             sums["opsm_masked_seqs"] = opsm_masked
     return LossOutput(loss=loss, sums=sums, maxes=maxes)
+
+
+def micro_batch_loss(
+    logits: torch.Tensor,
+    mb: MicroBatch,
+    *,
+    old_logp: torch.Tensor,
+    settings: LossSettings,
+    num_tokens: float,
+    ref_logp: torch.Tensor | None = None,
+) -> LossOutput:
+    """`policy_loss` of one micro-batch from the policy's logits [B, T−1, V] (aligned to `mb.targets`).
+    The entropy keeps its graph only when it is part of the loss (entropy_coef > 0)."""
+    logp = token_log_probs(logits, mb.targets)
+    bonus = settings.entropy_coef > 0
+    with torch.set_grad_enabled(bonus and torch.is_grad_enabled()):
+        entropy = entropy_from_logits(logits if bonus else logits.detach())
+    return policy_loss(
+        logp=logp,
+        mask=mb.mask,
+        advantages=mb.advantages,
+        old_logp=old_logp,
+        rollout_logp=mb.rollout_logp,
+        settings=settings,
+        num_tokens=num_tokens,
+        ref_logp=ref_logp,
+        entropy=entropy,
+    )
 
 
 def finalize_metrics(sums: Mapping[str, float], maxes: Mapping[str, float]) -> dict[str, float]:

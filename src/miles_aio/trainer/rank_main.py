@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -52,7 +53,9 @@ Reply = tuple[dict[str, Any], dict[str, torch.Tensor]]
 
 class ModelBackend(Protocol):
     """What a training backend gives the command loop (HF under FSDP2/DDP here; megatron-core in
-    `megatron_backend`). Tensor names are always HF names, so sync and checkpoints are backend-free."""
+    `megatron_backend`). Tensor names are always HF names, so sync and checkpoints are backend-free.
+    A backend with a non-None `pipeline` (megatron PP: `megatron_pp.MegatronPipeline`) has it run the
+    forwards, backwards and log-probs instead of `logits` / `no_sync`."""
 
     wrapper: str
     dp_rank: int
@@ -227,67 +230,63 @@ class RankWorker:
             for mbs, n in zip(per_step, counts, strict=True)
         ]
 
-    def _logp(self, mb: losses.MicroBatch, *, ref: bool = False) -> torch.Tensor:
-        logits = self.backend.ref_logits(mb) if ref else self.backend.logits(mb)
-        return losses.token_log_probs(logits, mb.targets)
+    def _logps(self, mbs: list[losses.MicroBatch], *, ref: bool = False) -> list[torch.Tensor]:
+        if (pipeline := getattr(self.backend, "pipeline", None)) is not None:  # megatron PP
+            return list(pipeline.logps(mbs, ref=ref))
+        fwd = self.backend.ref_logits if ref else self.backend.logits
+        return [losses.token_log_probs(fwd(mb), mb.targets) for mb in mbs]
 
     def op_train(self, msg: Message) -> Reply:
         cfg, be = self.cfg, self.backend
         t0 = time.monotonic()
         rows = protocol.decode_batch(msg.tensors)
         num_tokens: list[float] = msg.header["num_tokens"]
-        split: dict[str, Any] = {
-            "micro_batch_size": cfg.micro_batch_size,
-            "max_tokens": cfg.max_tokens_per_gpu,
-        }
+        mbsize, max_tokens = cfg.micro_batch_size, cfg.max_tokens_per_gpu
+        split = functools.partial(losses.split_micro_batches, micro_batch_size=mbsize, max_tokens=max_tokens)
         step_rows = [[r for r in rows if r.opt_step == j] for j in range(len(num_tokens))]
-        per_step = [
-            [losses.collate(g).to(self.device) for g in losses.split_micro_batches(sr, **split)]
-            for sr in step_rows
-        ]
+        per_step = [[losses.collate(g).to(self.device) for g in split(sr)] for sr in step_rows]
         per_step = self._lockstep(per_step)
         # π_old: the proximal policy = these weights before this rollout's first update (unless the
         # engine's log-probs stand in for it), and π_ref for the KL.
         with torch.no_grad():
-            old = [
-                [mb.rollout_logp if cfg.use_rollout_logprobs else self._logp(mb) for mb in s]
-                for s in per_step
-            ]
-            ref = [[self._logp(mb, ref=True) for mb in s] for s in per_step] if cfg.use_kl_loss else None
+            recompute = not cfg.use_rollout_logprobs
+            old = [self._logps(s) if recompute else [mb.rollout_logp for mb in s] for s in per_step]
+            ref = [self._logps(s, ref=True) for s in per_step] if cfg.use_kl_loss else None
         sums: dict[str, float] = {}
         maxes: dict[str, float] = {}
         grad_norms: list[float] = []
+
+        def loss_of(j: int, i: int, logits: torch.Tensor) -> torch.Tensor:
+            out = losses.micro_batch_loss(
+                logits,
+                per_step[j][i],
+                old_logp=old[j][i],
+                settings=self.settings,
+                num_tokens=num_tokens[j],
+                ref_logp=None if ref is None else ref[j][i],
+            )
+            for k, v in out.sums.items():
+                sums[k] = sums.get(k, 0.0) + v
+            for k, v in out.maxes.items():
+                maxes[k] = max(maxes.get(k, v), v)
+            # DDP/FSDP average gradients over dp ranks; the loss is already a global token mean.
+            return out.loss * be.dp_size
+
+        pipeline = getattr(be, "pipeline", None)  # megatron PP: its schedule runs forward and backward
         for j, mbs in enumerate(per_step):
             be.optimizer.zero_grad(set_to_none=True)
-            for i, mb in enumerate(mbs):
-                with be.no_sync(i < len(mbs) - 1):
-                    logits = be.logits(mb)
-                    logp = losses.token_log_probs(logits, mb.targets)
-                    with torch.set_grad_enabled(cfg.entropy_coef > 0 and torch.is_grad_enabled()):
-                        entropy = losses.entropy_from_logits(
-                            logits if cfg.entropy_coef > 0 else logits.detach()
-                        )
-                    out = losses.policy_loss(
-                        logp=logp,
-                        mask=mb.mask,
-                        advantages=mb.advantages,
-                        old_logp=old[j][i],
-                        rollout_logp=mb.rollout_logp,
-                        settings=self.settings,
-                        num_tokens=num_tokens[j],
-                        ref_logp=None if ref is None else ref[j][i],
-                        entropy=entropy,
-                    )
-                    # DDP/FSDP average gradients over dp ranks; the loss is already a global token mean.
-                    torch.autograd.backward(out.loss * be.dp_size)
-                for k, v in out.sums.items():
-                    sums[k] = sums.get(k, 0.0) + v
-                for k, v in out.maxes.items():
-                    maxes[k] = max(maxes.get(k, v), v)
+            if pipeline is not None:
+                pipeline.forward_backward(mbs, functools.partial(loss_of, j))
+            else:
+                for i, mb in enumerate(mbs):
+                    with be.no_sync(i < len(mbs) - 1):
+                        torch.autograd.backward(loss_of(j, i, be.logits(mb)))
             grad_norms.append(be.clip_grad(cfg.clip_grad))
             be.optimizer.step()
             self.optimizer_steps += 1
         metrics = self._reduce(sums, maxes)
+        if pipeline is not None:  # only the last stage computed the loss; rank 0 reports it
+            metrics = pipeline.share_metrics(metrics)
         wall = time.monotonic() - t0
         tokens = torch.tensor(float(sum(int(r.tokens.numel()) for r in rows)), device=self.device)
         dist.all_reduce(tokens, group=be.dp_group)
@@ -304,7 +303,8 @@ class RankWorker:
         keys, mkeys = sorted(sums), sorted(maxes)
         s = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
         m = torch.tensor([maxes[k] for k in mkeys], dtype=torch.float64, device=self.device)
-        dist.all_reduce(s, group=self.backend.dp_group)
+        if len(keys):  # none before the last pipeline stage (the loss runs there)
+            dist.all_reduce(s, group=self.backend.dp_group)
         if len(mkeys):
             dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.backend.dp_group)
         out = losses.finalize_metrics(
@@ -317,10 +317,10 @@ class RankWorker:
         rows = protocol.decode_batch(msg.tensors)
         out: dict[str, torch.Tensor] = {}
         with torch.no_grad():
-            for i, row in enumerate(rows):
-                mb = losses.collate([row]).to(self.device)
-                n, r = int(row.tokens.numel()), row.response_length
-                out[str(i)] = self._logp(mb)[0, n - r - 1 : n - 1].cpu()
+            logps = self._logps([losses.collate([row]).to(self.device) for row in rows])
+        for i, (row, logp) in enumerate(zip(rows, logps, strict=True)):
+            n, r = int(row.tokens.numel()), row.response_length
+            out[str(i)] = logp[0, n - r - 1 : n - 1].cpu()
         return {}, out
 
     # -- weights ------------------------------------------------------------------------------------------
@@ -422,8 +422,7 @@ class RankWorker:
     def _optim_stem(self, d: Path) -> Path:
         return d / (f"optimizer_rank{self.rank}" if self._optim_sharded else "optimizer")
 
-    def op_export_hf(self, msg: Message) -> Reply:
-        return self.op_save_hf(msg)
+    op_export_hf = op_save_hf
 
 
 def _my_address() -> str:
