@@ -4,23 +4,53 @@ The source is synchronous and cheap (the whole prompt set is in memory), so the 
 directly on the event loop. Every prompt group gets a stable `group_index`:
 `epoch * len(dataset) + prompt_index`, so recycling a group and resuming a run keep its identity, and
 the ledger can prove that no prompt is trained twice within an epoch.
+
+Bad prompt data: a line that is not UTF-8, not a JSON object, lacks `--input-key` or holds an empty or
+non-text prompt is a `ConfigError` naming the file and line (exit 2 before anything starts), or, with
+`--skip-invalid-prompts`, skipped, logged and counted. With `--rollout-max-prompt-len` (as miles), prompts
+longer than that many tokens are skipped when first drawn (the tokenizer only exists once the engine side
+is built; `bind_tokenizer`). Counts by reason: `DataSource.get_metrics()`, `rollout/skipped_prompts/<reason>`.
 """
 
 from __future__ import annotations
 
 import json
 import random
-from collections import deque
-from collections.abc import Sequence
+from collections import Counter, deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final, Protocol, Self
+
+import structlog
 
 from miles_aio.config import DataConfig
 from miles_aio.errors import ConfigError
 from miles_aio.types import Group, Sample
 
-__all__ = ["DataSource", "PromptRecord", "read_prompt_jsonl"]
+__all__ = [
+    "SKIP_REASONS",
+    "DataSource",
+    "PromptRecord",
+    "PromptRecords",
+    "encode_prompt",
+    "prompt_problem",
+    "read_prompt_jsonl",
+]
+
+_log = structlog.get_logger(__name__)
+
+SKIP_REASONS: Final = ("not_utf8", "invalid_json", "missing_key", "bad_prompt", "too_long")
+"""Why a prompt was skipped: the `<reason>` of rollout/skipped_prompts/<reason>."""
+_KEY_REASONS: Final = ("missing_key", "bad_prompt")
+_LOGGED_SKIPS: Final = 20
+"""Skipped lines logged one by one per file; the rest only in the summary."""
+
+
+class PromptEncoder(Protocol):
+    """The tokenizer subset the prompt-length check needs (a Hugging Face tokenizer fits)."""
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,38 +58,83 @@ class PromptRecord:
     prompt: str | list[dict[str, Any]]
     label: Any = None
     metadata: dict[str, Any] | None = None
+    where: str = ""
+    """`file:line` it was read from (for messages), or empty."""
 
 
-def read_prompt_jsonl(path: Path, cfg: DataConfig) -> list[PromptRecord]:
-    """Read prompts; a bad line raises ConfigError naming the file and line number."""
+class PromptRecords(list[PromptRecord]):
+    """`read_prompt_jsonl`'s records, plus the lines skipped by reason (`--skip-invalid-prompts`)."""
+
+    def __init__(self, records: Iterable[PromptRecord] = (), skipped: Counter[str] | None = None) -> None:
+        super().__init__(records)
+        self.skipped: Counter[str] = skipped if skipped is not None else Counter()
+
+
+def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]]) -> list[int]:
+    """Token ids of a prompt: text as is, chat messages through the tokenizer's chat template."""
+    if isinstance(prompt, str):
+        return list(tokenizer.encode(prompt, add_special_tokens=False))
+    template: Any = getattr(tokenizer, "apply_chat_template", None)
+    if template is None:
+        raise RuntimeError("chat prompts need a tokenizer with apply_chat_template")
+    encoded = template(prompt, tokenize=True, add_generation_prompt=True)
+    # transformers 5 returns a BatchEncoding (a mapping); older versions a plain list of ids
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+def prompt_problem(row: object, cfg: DataConfig) -> tuple[str, str] | None:
+    """(reason, message) if one decoded JSON line cannot be a prompt, else None (pure)."""
+    if not isinstance(row, dict):
+        return "invalid_json", f"expected a JSON object, got {type(row).__name__}"
+    if cfg.input_key not in row:
+        return "missing_key", f"missing key {cfg.input_key!r}"
+    prompt = row[cfg.input_key]
+    if not isinstance(prompt, str | list) or not prompt:
+        return "bad_prompt", "empty or non-text prompt"
+    if isinstance(prompt, str) and not prompt.strip():
+        return "bad_prompt", "empty or non-text prompt (only whitespace)"
+    if isinstance(prompt, list) and not all(isinstance(m, dict) and "role" in m for m in prompt):
+        return "bad_prompt", "chat prompt is not a list of messages with a 'role'"
+    return None
+
+
+def read_prompt_jsonl(path: Path, cfg: DataConfig) -> PromptRecords:
+    """Read prompts; a bad line raises ConfigError naming the file and line number, or, with
+    `--skip-invalid-prompts`, is skipped: logged (the first few one by one) and counted by reason."""
     if not path.is_file():
         raise ConfigError(f"prompt data file {str(path)!r} does not exist", flags=["--prompt-data"])
-    records: list[PromptRecord] = []
+    records = PromptRecords()
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, start=1):
             where = f"{path}:{lineno}"
             if not raw.strip():
                 continue
+            problem: tuple[str, str] | None = None
+            row: Any = None
             try:
                 row = json.loads(raw.decode("utf-8"))
             except UnicodeDecodeError as e:
-                raise ConfigError(f"{where}: not UTF-8 ({e.reason})", flags=["--prompt-data"]) from e
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{where}: invalid JSON ({e.msg})", flags=["--prompt-data"]) from e
-            if not isinstance(row, dict) or cfg.input_key not in row:
-                raise ConfigError(
-                    f"{where}: missing key {cfg.input_key!r}", flags=["--prompt-data", "--input-key"]
-                )
+                problem = "not_utf8", f"not UTF-8 ({e.reason} at byte {e.start})"
+            except (json.JSONDecodeError, RecursionError) as e:
+                problem = "invalid_json", f"invalid JSON ({getattr(e, 'msg', 'nested too deep')})"
+            problem = problem or prompt_problem(row, cfg)
+            if problem is not None:
+                reason, message = problem
+                if not cfg.skip_invalid_prompts:
+                    flags = ["--prompt-data", *(["--input-key"] if reason in _KEY_REASONS else [])]
+                    raise ConfigError(f"{where}: {message} (or pass --skip-invalid-prompts)", flags=flags)
+                records.skipped[reason] += 1
+                if records.skipped.total() <= _LOGGED_SKIPS:
+                    _log.warning("skipped invalid prompt line", where=where, reason=reason, problem=message)
+                continue
             prompt = row[cfg.input_key]
-            if not isinstance(prompt, str | list) or not prompt:
-                raise ConfigError(
-                    f"{where}: empty or non-text prompt", flags=["--prompt-data", "--input-key"]
-                )
             if cfg.apply_chat_template and isinstance(prompt, str):
                 prompt = [{"role": "user", "content": prompt}]
             label = row.get(cfg.label_key) if cfg.label_key else None
             meta = row.get(cfg.metadata_key) if cfg.metadata_key else None
-            records.append(PromptRecord(prompt, label, meta if isinstance(meta, dict) else None))
+            records.append(PromptRecord(prompt, label, meta if isinstance(meta, dict) else None, where))
+    if records.skipped:
+        _log.warning("skipped invalid prompt lines", path=str(path), kept=len(records), **records.skipped)
     if not records:
         raise ConfigError(f"prompt data file {str(path)!r} holds no prompts", flags=["--prompt-data"])
     return records
@@ -85,6 +160,21 @@ class DataSource:
         self._pos = 0
         self._order = self._epoch_order(0)
         self._recycled: deque[Group] = deque()
+        self._skipped: Counter[str] = Counter(getattr(records, "skipped", None) or {})
+        self._tokenizer: PromptEncoder | None = None
+        self._max_prompt_len: int | None = None
+        self._fits = bytearray(len(self._records))  # per prompt: 0 unchecked, 1 fits, 2 too long
+
+    def bind_tokenizer(self, tokenizer: PromptEncoder | None, max_prompt_len: int | None) -> Self:
+        """Skip prompts longer than `max_prompt_len` tokens (None: no limit), checked when first drawn."""
+        if max_prompt_len is not None and tokenizer is None:
+            raise ConfigError("needs a tokenizer to count prompt tokens", flags=["--rollout-max-prompt-len"])
+        self._tokenizer, self._max_prompt_len = tokenizer, max_prompt_len
+        return self
+
+    def get_metrics(self) -> dict[str, float]:
+        """rollout/skipped_prompts/<reason>: prompts skipped so far (lines at load time, too_long since)."""
+        return {f"rollout/skipped_prompts/{r}": float(c) for r, c in sorted(self._skipped.items())}
 
     @property
     def dataset_size(self) -> int:
@@ -102,13 +192,36 @@ class DataSource:
         """A fresh list of `n_samples_per_prompt` PENDING samples (recycled groups come first)."""
         if self._recycled:
             return self._recycled.popleft()
-        if self._pos == len(self._order):
-            self._epoch += 1
-            self._pos = 0
-            self._order = self._epoch_order(self._epoch)
-        prompt_index = self._order[self._pos]
-        self._pos += 1
-        return self.make_group(self._epoch * len(self._records) + prompt_index)
+        for _ in range(len(self._records) + 1):
+            if self._pos == len(self._order):
+                self._epoch += 1
+                self._pos = 0
+                self._order = self._epoch_order(self._epoch)
+            prompt_index = self._order[self._pos]
+            self._pos += 1
+            if self._fits_prompt(prompt_index):
+                return self.make_group(self._epoch * len(self._records) + prompt_index)
+        raise ConfigError(
+            f"every prompt is longer than {self._max_prompt_len} tokens", flags=["--rollout-max-prompt-len"]
+        )
+
+    def _fits_prompt(self, prompt_index: int) -> bool:
+        """Whether a prompt is within --rollout-max-prompt-len (tokenized once, the verdict kept)."""
+        if self._max_prompt_len is None or self._tokenizer is None:
+            return True
+        if not self._fits[prompt_index]:
+            record = self._records[prompt_index]
+            n = len(encode_prompt(self._tokenizer, record.prompt))
+            self._fits[prompt_index] = 1 if n <= self._max_prompt_len else 2
+            if n > self._max_prompt_len:
+                self._skipped["too_long"] += 1
+                _log.warning(
+                    "skipped over-long prompt",
+                    where=record.where or f"prompt {prompt_index}",
+                    tokens=n,
+                    max_prompt_len=self._max_prompt_len,
+                )
+        return self._fits[prompt_index] == 1
 
     def make_group(self, group_index: int) -> Group:
         record = self._records[group_index % len(self._records)]

@@ -310,6 +310,8 @@ class SGLangClient:
             raise
         where = f"{self.url}/generate rid={rid}"
         out = parse_generate_response(decode_json_object(answer, where), where=where)
+        if type(max_new := sampling_params.get("max_new_tokens")) is int and len(out.output_ids) > max_new:
+            raise EngineBadResponse(f"{where}: {len(out.output_ids)} tokens for max_new_tokens={max_new}")
         return out, self._abort_paused or self._pause_epoch != epoch
 
     async def _post_generate(self, content: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
@@ -452,7 +454,7 @@ def _error_text(body: bytes) -> str:
     """The server's error message: SGLang sends {"error": {"message": ...}} or {"error": "..."}."""
     try:
         data = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return body[:200].decode(errors="replace") or "(empty body)"
     err = data.get("error", data.get("message", data)) if isinstance(data, dict) else data
     return str(err.get("message", err) if isinstance(err, dict) else err)[:500]

@@ -21,14 +21,15 @@ try:  # msgspec's JSON codec is ~5x faster than the stdlib's on token-id lists; 
 
     encode_json: Callable[[object], bytes] = msgspec.json.Encoder().encode
     _decode_json: Callable[[bytes], object] = msgspec.json.Decoder().decode
-    _JSON_ERRORS: tuple[type[Exception], ...] = (msgspec.DecodeError, ValueError)
+    _JSON_ERRORS: tuple[type[Exception], ...] = (msgspec.DecodeError, ValueError, RecursionError)
 except ImportError:  # pragma: no cover - only without msgspec
     encode_json = lambda obj: json.dumps(obj, separators=(",", ":")).encode()  # noqa: E731
     _decode_json = json.loads
-    _JSON_ERRORS = (ValueError,)
+    _JSON_ERRORS = (ValueError, RecursionError)  # RecursionError: nested too deep
 
 __all__ = [
     "DEFAULT_WEIGHT_VERSION",
+    "MAX_TOKEN_ID",
     "ROUTING_KEY_HEADER",
     "SGLANG_DEFAULT_MAX_NEW_TOKENS",
     "decode_json_object",
@@ -46,6 +47,8 @@ DEFAULT_WEIGHT_VERSION: Final = "default"
 SGLANG_DEFAULT_MAX_NEW_TOKENS: Final = 128
 """SGLang's `SamplingParams.max_new_tokens` default, needed to size partial-rollout continuations."""
 _FINISH_TYPES: Final = frozenset({"stop", "length", "abort"})
+MAX_TOKEN_ID: Final = 2**31
+"""Token ids are in [0, MAX_TOKEN_ID): a trainer packs them into int32/int64 tensors; others are corrupt."""
 
 
 def wire_version(version: int) -> str:
@@ -59,9 +62,15 @@ def parse_wire_version(raw: object, where: str) -> int | None:
     """A policy version from the wire: `"default"` is None (unknown), a decimal string is an int."""
     if raw == DEFAULT_WEIGHT_VERSION:
         return None
-    if isinstance(raw, str) and raw.isascii() and raw.isdecimal():
+    if isinstance(raw, str) and raw.isascii() and raw.isdecimal() and len(raw) <= 18:
         return int(raw)
-    raise EngineBadResponse(f"{where}: weight version {raw!r} is neither a decimal string nor 'default'")
+    raise EngineBadResponse(f"{where}: weight version {_short(raw)} is not a decimal string or 'default'")
+
+
+def _short(value: object) -> str:
+    """repr() cut to 80 characters: error messages must stay readable whatever the server sent."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _require(obj: Mapping[str, Any], key: str, kind: type, where: str) -> Any:
@@ -83,8 +92,10 @@ def _expand_versions(meta: Mapping[str, Any], n: int, where: str) -> list[int | 
     out: list[int | None] = []
     for i, span in enumerate(spans):  # half-open [start, end) spans that tile the output
         start, end = (span.get("start"), span.get("end")) if type(span) is dict else (None, None)
-        if type(start) is not int or type(end) is not int or start != len(out) or end < start:
-            raise EngineBadResponse(f"{where}: weight_versions[{i}]={span!r} does not continue at {len(out)}")
+        if type(start) is not int or type(end) is not int or start != len(out) or not start <= end <= n:
+            raise EngineBadResponse(
+                f"{where}: weight_versions[{i}]={_short(span)} does not continue at {len(out)} (of {n})"
+            )
         out.extend([parse_wire_version(span.get("version"), where)] * (end - start))
     if len(out) != n:
         raise EngineBadResponse(f"{where}: weight_versions spans cover {len(out)} tokens, output has {n}")
@@ -99,9 +110,10 @@ def parse_generate_response(body: object, *, where: str) -> GenerateOutput:
     text = _require(body, "text", str, where)
     output_ids: list[Any] = _require(body, "output_ids", list, where)
     meta = _require(body, "meta_info", dict, where)
-    finish: FinishReason = _require(meta, "finish_reason", dict, where).get("type")
-    if finish not in _FINISH_TYPES:
-        raise EngineBadResponse(f"{where}: finish_reason.type {finish!r} not in {sorted(_FINISH_TYPES)}")
+    raw_finish: object = _require(meta, "finish_reason", dict, where).get("type")
+    if type(raw_finish) is not str or raw_finish not in _FINISH_TYPES:  # type() first: [] is unhashable
+        raise EngineBadResponse(f"{where}: finish_reason.type {_short(raw_finish)} is not stop|length|abort")
+    finish: FinishReason = raw_finish  # type: ignore[assignment]
     prompt_tokens = _require(meta, "prompt_tokens", int, where)
     cached_tokens = _require(meta, "cached_tokens", int, where) if "cached_tokens" in meta else 0
     entries: list[Any] = _require(meta, "output_token_logprobs", list, where)
@@ -111,16 +123,21 @@ def parse_generate_response(body: object, *, where: str) -> GenerateOutput:
     log_probs: list[float] = []
     for i in range(n):  # hot loop: exact type checks, no helper calls
         entry, token_id = entries[i], output_ids[i]
-        if type(token_id) is not int:
-            raise EngineBadResponse(f"{where}: output_ids[{i}]={token_id!r} is not an int")
+        if type(token_id) is not int or not 0 <= token_id < MAX_TOKEN_ID:
+            raise EngineBadResponse(f"{where}: output_ids[{i}]={_short(token_id)} is not a token id")
         if type(entry) is not list or len(entry) != 3:
-            raise EngineBadResponse(f"{where}: output_token_logprobs[{i}]={entry!r} is not [logprob,id,text]")
+            raise EngineBadResponse(
+                f"{where}: output_token_logprobs[{i}]={_short(entry)} is not [logprob,id,text]"
+            )
         lp = entry[0]
         if (type(lp) is not float and type(lp) is not int) or lp != lp:
-            raise EngineBadResponse(f"{where}: output_token_logprobs[{i}] logprob {lp!r} is not a number")
+            raise EngineBadResponse(
+                f"{where}: output_token_logprobs[{i}] logprob {_short(lp)} is not a number"
+            )
         if entry[1] != token_id or type(entry[1]) is not int:
             raise EngineBadResponse(
-                f"{where}: output_token_logprobs[{i}] has token id {entry[1]!r}, output_ids has {token_id}"
+                f"{where}: output_token_logprobs[{i}] has token id {_short(entry[1])}, "
+                f"output_ids has {token_id}"
             )
         log_probs.append(float(lp))
     versions = _expand_versions(meta, n, where)

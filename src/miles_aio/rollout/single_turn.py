@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from miles_aio.data.source import encode_prompt
 from miles_aio.rollout.context import RolloutContext
 from miles_aio.types import Sample, Status
 
@@ -16,16 +17,7 @@ def prompt_token_ids(ctx: RolloutContext, sample: Sample) -> list[int]:
         return sample.tokens
     if ctx.tokenizer is None:
         raise RuntimeError("the sample has no tokens and the rollout context has no tokenizer")
-    if isinstance(sample.prompt, str):
-        ids = ctx.tokenizer.encode(sample.prompt, add_special_tokens=False)
-    else:
-        template: Any = getattr(ctx.tokenizer, "apply_chat_template", None)
-        if template is None:
-            raise RuntimeError("chat prompts need a tokenizer with apply_chat_template")
-        encoded = template(sample.prompt, tokenize=True, add_generation_prompt=True)
-        # transformers 5 returns a BatchEncoding (a mapping); older versions a plain list of ids
-        ids = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
-    sample.tokens = list(ids)
+    sample.tokens = encode_prompt(ctx.tokenizer, sample.prompt)
     return sample.tokens
 
 
