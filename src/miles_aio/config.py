@@ -13,7 +13,7 @@ import importlib.util
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from miles_aio._fields import flag, opt
 from miles_aio.errors import ConfigError
@@ -34,6 +34,7 @@ __all__ = [
     "opt",
 ]
 
+_CTX: Final = "--rollout-max-context-len"
 Granularity = Literal["sample", "group"]
 UnusedHandler = Literal["retry", "drop"]
 PauseMode = Literal["retract", "in_place", "abort"]
@@ -61,6 +62,9 @@ class DataConfig:
     )
     rollout_shuffle: bool = opt(True, "Shuffle the prompts each epoch (seeded by --seed and the epoch).")
     rollout_seed: int = opt(42, "Seed of the prompt shuffle (the trainer's is --seed).")
+    skip_invalid_prompts: bool = opt(
+        False, "Skip (log, count) invalid prompt lines instead of failing; rollout/skipped_prompts/<reason>."
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -71,6 +75,9 @@ class RolloutConfig:
     n_samples_per_prompt: int = opt(1, "Samples per prompt (the group size).")
     rollout_max_response_len: int = opt(1024, "max_new_tokens of each generate call.")
     rollout_max_context_len: int | None = opt(None, "Cap on prompt + response tokens of a sample.")
+    rollout_max_prompt_len: int | None = opt(
+        None, "Skip prompts longer than this many tokens (counted in rollout/skipped_prompts/too_long)."
+    )
     rollout_temperature: float = opt(1.0, "Sampling temperature.")
     rollout_top_p: float = opt(1.0, "Nucleus sampling threshold.")
     rollout_top_k: int = opt(-1, "Top-k sampling (-1: off).")
@@ -104,6 +111,9 @@ class RolloutConfig:
         _positive(self.n_samples_per_prompt, "n_samples_per_prompt")
         _positive(self.rollout_max_response_len, "rollout_max_response_len")
         _positive(self.rollout_max_context_len, "rollout_max_context_len", allow_none=True)
+        _positive(self.rollout_max_prompt_len, "rollout_max_prompt_len", allow_none=True)
+        if (p := self.rollout_max_prompt_len) is not None and p >= (self.rollout_max_context_len or p + 1):
+            raise ConfigError("needs max prompt < max context", flags=["--rollout-max-prompt-len", _CTX])
         _positive(self.rollout_temperature, "rollout_temperature", zero_ok=True)
         _positive(self.sglang_server_concurrency, "sglang_server_concurrency")
         if not 0 < self.rollout_top_p <= 1:
@@ -144,9 +154,15 @@ class EngineConfig:
 class SchedulerConfig:
     """When a new prompt group may be submitted (`miles_aio.scheduler.policy`)."""
 
-    async_max_concurrent_samples: int | None = opt(
-        None, "In-flight bound in samples (default: rollout_batch_size × n_samples_per_prompt)."
+    async_max_concurrent_samples: str | int | None = opt(
+        None,
+        "In-flight bound in samples (default: rollout_batch_size × n_samples_per_prompt); `auto` adapts "
+        "it (and the limiter) to engine load, within --adaptive-concurrency-min/max.",
+        metavar="N|auto",
     )
+    adaptive_concurrency_min: int = opt(8, "With `auto`: the smallest in-flight bound (samples).")
+    adaptive_concurrency_max: int = opt(4096, "With `auto`: the largest in-flight bound (samples).")
+    adaptive_concurrency_interval_s: float = opt(5.0, "With `auto`: seconds between two decisions.")
     rollout_submission_granularity: Granularity = opt(
         "sample", "When capacity frees: per finished sample, or when a group's slowest sample finishes."
     )
@@ -158,8 +174,29 @@ class SchedulerConfig:
     )
 
     def __post_init__(self) -> None:
-        _positive(self.async_max_concurrent_samples, "async_max_concurrent_samples", allow_none=True)
+        cap = self.async_max_concurrent_samples
+        if isinstance(cap, str) and cap != "auto":  # from the CLI: a number or `auto`
+            if not cap.strip().isdigit():
+                raise ConfigError(
+                    f"must be a positive integer or 'auto', got {cap!r}",
+                    flags=["--async-max-concurrent-samples"],
+                )
+            object.__setattr__(self, "async_max_concurrent_samples", cap := int(cap))
+        if not isinstance(cap, str):
+            _positive(cap, "async_max_concurrent_samples", allow_none=True)
+        _positive(self.adaptive_concurrency_min, "adaptive_concurrency_min")
+        _positive(self.adaptive_concurrency_interval_s, "adaptive_concurrency_interval_s")
+        if self.adaptive_concurrency_max < self.adaptive_concurrency_min:
+            raise ConfigError(
+                f"max ({self.adaptive_concurrency_max}) < min ({self.adaptive_concurrency_min})",
+                flags=["--adaptive-concurrency-min", "--adaptive-concurrency-max"],
+            )
         _positive(self.max_admission_staleness, "max_admission_staleness", allow_none=True, zero_ok=True)
+
+    @property
+    def adaptive(self) -> bool:
+        """--async-max-concurrent-samples auto."""
+        return self.async_max_concurrent_samples == "auto"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -392,7 +429,13 @@ class RunConfig:
     def __post_init__(self) -> None:
         n = self.rollout.n_samples_per_prompt
         cap = self.scheduler.async_max_concurrent_samples
-        if cap is not None and cap < n:
+        if self.scheduler.adaptive and self.scheduler.adaptive_concurrency_min < n:
+            raise ConfigError(
+                f"the smallest adaptive bound ({self.scheduler.adaptive_concurrency_min}) "
+                f"must hold a group of {n} samples",
+                flags=["--adaptive-concurrency-min", "--n-samples-per-prompt"],
+            )
+        if isinstance(cap, int) and cap < n:
             raise ConfigError(
                 f"the in-flight bound ({cap}) must hold at least one whole group of {n} samples",
                 flags=["--async-max-concurrent-samples", "--n-samples-per-prompt"],
@@ -423,9 +466,13 @@ class RunConfig:
 
     @property
     def max_in_flight_samples(self) -> int:
-        """--async-max-concurrent-samples, else rollout_batch_size × n_samples_per_prompt (as miles)."""
-        cap = self.scheduler.async_max_concurrent_samples
-        return cap if cap is not None else self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
+        """--async-max-concurrent-samples, else rollout_batch_size × n_samples_per_prompt (as miles);
+        with `auto`, the initial bound: that default, clamped to --adaptive-concurrency-min/max."""
+        s, cap = self.scheduler, self.scheduler.async_max_concurrent_samples
+        default = self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
+        if s.adaptive:
+            return min(max(default, s.adaptive_concurrency_min), s.adaptive_concurrency_max)
+        return cap if isinstance(cap, int) else default
 
     @property
     def buffer_capacity_groups(self) -> int:

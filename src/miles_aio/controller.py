@@ -32,6 +32,7 @@ from pathlib import Path
 
 import structlog
 
+from miles_aio._gc import paced_gc
 from miles_aio.buffer import BufferItem, DataBuffer, DataBufferContext
 from miles_aio.buffer.fates import GroupFates, normalize_filter
 from miles_aio.checkpoint import (
@@ -46,7 +47,7 @@ from miles_aio.config import RunConfig
 from miles_aio.data.source import DataSource, PromptRecord
 from miles_aio.errors import BufferClosed, RolloutWorkerDied, primary_error
 from miles_aio.eval.build import build_eval_dispatcher
-from miles_aio.eval.dispatcher import EvalPoints
+from miles_aio.eval.dispatcher import EvalPoints, EvalReport
 from miles_aio.eval.snapshots import save_hf_checkpoint
 from miles_aio.inference.base import InferenceEngine
 from miles_aio.ledger import Ledger
@@ -57,6 +58,7 @@ from miles_aio.plugins import Plugins
 from miles_aio.rollout.context import LimitedEngine, RolloutContext, Tokenizer
 from miles_aio.rollout.limiter import Limiter
 from miles_aio.rollout.pool import RolloutPool
+from miles_aio.scheduler.adaptive import run_adaptive
 from miles_aio.scheduler.policy import AdmissionLimits, DrainSchedule
 from miles_aio.scheduler.worker import RolloutWorker
 from miles_aio.trainer.base import Trainer
@@ -97,7 +99,7 @@ class Controller:
     ) -> None:
         self.cfg = cfg
         self.trainer = trainer
-        self.source = source
+        self.source = source.bind_tokenizer(tokenizer, cfg.rollout.rollout_max_prompt_len)
         self.version: int | None = None
         self._worker_error: BaseException | None = None
         self.start_step = 0
@@ -111,7 +113,7 @@ class Controller:
         self.ledger = Ledger(
             run_dir / "ledger.jsonl" if write_files else None, dataset_size=source.dataset_size
         )
-        self.obs = RunObserver(cfg, engine, sinks=sinks, write_files=write_files, num_engines=num_engines)
+        self.obs = RunObserver(cfg, engine, sinks=sinks, write_files=write_files)
         self.sinks, self.tracer = self.obs.sinks, self.obs.tracer  # metrics sinks; timeline trace
         self.limiter = Limiter(cfg.rollout.sglang_server_concurrency * num_engines)
         self.engine = LimitedEngine(engine, self.limiter, tracer=self.tracer)
@@ -174,15 +176,16 @@ class Controller:
         summary = RunSummary()
         t0 = time.monotonic()
         try:
-            async with asyncio.TaskGroup() as tg:
+            async with paced_gc(), asyncio.TaskGroup() as tg:
                 if self.cfg.driver.load is not None:
                     await self._restore(self.cfg.driver.load)
                 # version 1 on a fresh run; a resumed run re-stamps the checkpoint weights with their version
                 await self._push_weights(self.version or 1)
                 if self.start_step == 0 and self.evals is not None and self.evals.due(0):
                     self.evals.dispatch(tg, steps_done=0, version=1)
-                    self.obs.eval_dispatched(0, self.evals)
+                    self.obs.eval_dispatched(0)
                 worker = tg.create_task(self._supervise_worker(), name="rollout-worker")
+                tg.create_task(run_adaptive(self, worker), name="adaptive-concurrency")  # `auto` only
                 try:
                     await self._step_loop(tg, summary)
                 finally:
@@ -215,7 +218,7 @@ class Controller:
                 tg.create_task(self._drain(step + 1), name=f"drain-{step + 1}") if step + 1 < n else None
             )
             groups = [it.group for it in batch]
-            metrics = rollout_batch_metrics(groups, version=self.version)
+            metrics = rollout_batch_metrics(groups, version=self.version) | self.source.get_metrics()
             t_train = loop.time()
             metrics.update(await self.trainer.train(step, groups))
             self._weights_ahead = True  # trained weights not pushed yet: a checkpoint now is one version on
@@ -239,7 +242,7 @@ class Controller:
             if self.evals is not None and self.evals.due(done):
                 eval_s += await self._wait_eval(done)
                 self.evals.dispatch(tg, steps_done=done, version=self.version or 0)
-                self.obs.eval_dispatched(done, self.evals)
+                self.obs.eval_dispatched(done)
             if done == n:
                 eval_s += await self._wait_eval(done)  # the last point lands in the last record
             times = StepTimes(
@@ -252,9 +255,9 @@ class Controller:
             metrics |= self.buffer.get_metrics() | self.accounting.step_metrics(
                 times, now=loop.time(), trained_tokens=int(metrics["rollout/tokens"])
             )
-            evaled = self.evals.collect() if self.evals is not None else {}
+            evaled = self.evals.collect() if self.evals is not None else EvalReport()
             metrics = await self.obs.end_step(
-                step, groups, metrics, eval_metrics=evaled, times=times, start=t_step, train_start=t_train
+                step, groups, metrics, evals=evaled, times=times, start=t_step, train_start=t_train
             )
             summary.steps, summary.last_metrics = step + 1, metrics
             summary.step_times_s.append(times.step_s)

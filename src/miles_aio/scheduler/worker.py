@@ -125,6 +125,11 @@ class RolloutWorker:
         self.state.paused = False
         self._changed.notify()
 
+    def set_max_in_flight(self, samples: int) -> None:
+        """A new in-flight bound (adaptive concurrency); a larger one admits at once."""
+        self.limits = replace(self.limits, max_in_flight_samples=max(samples, self.limits.group_size))
+        self._changed.notify()
+
     def restore(
         self, finished: list[BufferItem], in_flight: list[Group], *, start_step: int, version: int
     ) -> None:
