@@ -86,6 +86,7 @@ def plan(cfg: RunConfig, ns: argparse.Namespace) -> dict[str, Any]:
         },
         "weight_sync": t.update_weight_transfer_mode,
         "sglang_args": ns.sglang_args,
+        "eval_sglang_args": ns.eval_sglang_args,
     }
 
 

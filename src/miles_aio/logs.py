@@ -16,16 +16,27 @@ __all__ = ["configure_logging"]
 
 
 class _StderrLogger:
-    """Writes to whatever sys.stderr is *now*, so a progress bar that redirects stderr stays intact."""
+    """Writes to whatever sys.stderr is *now*, so a progress bar that redirects stderr stays intact.
+    Keeps the name given to `structlog.get_logger(name)`: it is the line's `component`."""
 
     def __init__(self, *args: object) -> None:
-        pass
+        self.name = str(args[0]) if args else None
 
     def msg(self, message: str) -> None:
         sys.stderr.write(message + "\n")
         sys.stderr.flush()
 
     log = debug = info = warn = warning = error = critical = exception = fatal = msg
+
+
+def _add_component(
+    logger: object, method: str, event: structlog.typing.EventDict
+) -> structlog.typing.EventDict:
+    """`component`: the logger's name without the package prefix (`miles_aio.worker` → `worker`)."""
+    name = getattr(logger, "name", None)
+    if name and "component" not in event:
+        event["component"] = name.removeprefix("miles_aio.")
+    return event
 
 
 def configure_logging(fmt: Literal["console", "json"] = "console", level: str = "INFO") -> None:
@@ -37,6 +48,7 @@ def configure_logging(fmt: Literal["console", "json"] = "console", level: str = 
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            _add_component,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info

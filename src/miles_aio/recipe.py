@@ -102,7 +102,11 @@ async def open_run_parts(
     ):
         tokenizer = cast("Tokenizer", AutoTokenizer.from_pretrained(model_path))
         yield RunParts(
-            engine=router, trainer=trainer, tokenizer=tokenizer, num_engines=cfg.engine.num_engines
+            engine=router,
+            trainer=trainer,
+            tokenizer=tokenizer,
+            num_engines=cfg.engine.num_engines,
+            model_path=model_path,
         )
 
 
@@ -118,20 +122,38 @@ def _parser(recipe: Recipe) -> argparse.ArgumentParser:
     general.add_argument("--log-level", default="INFO", help="Log level (default: INFO).")
     if recipe.add_arguments is not None:
         recipe.add_arguments(parser)
+    parser.epilog = (
+        "SGLang passthrough: --sglang-<flag> [value] is given to every SGLang server this run launches "
+        "as --<flag> [value]; --eval-sglang-<flag> [value] overrides or adds --<flag> for the dedicated "
+        "eval engines (--eval-num-gpus) only."
+    )
     return parser
 
 
-def sglang_passthrough(parser: argparse.ArgumentParser, unknown: Sequence[str]) -> list[str]:
-    """`--sglang-<flag> [value]` → `--<flag> [value]` for SGLang's launch_server; others are errors."""
-    out: list[str] = []
+def sglang_passthrough(
+    parser: argparse.ArgumentParser, unknown: Sequence[str]
+) -> tuple[list[str], list[str]]:
+    """The launch_server arguments of the rollout engines and of the dedicated eval engines (mode 2).
+
+    `--sglang-<flag> [value]` → `--<flag> [value]` for both fleets; `--eval-sglang-<flag> [value]`
+    overrides (or adds) `--<flag>` for the eval engines only. Any other unknown argument is an error.
+    """
+    rollout: list[list[str]] = []
+    overrides: list[list[str]] = []
+    current: list[list[str]] | None = None
     for arg in unknown:
-        if arg.startswith("--sglang-"):
-            out.append("--" + arg.removeprefix("--sglang-"))
-        elif out and not arg.startswith("--"):
-            out.append(arg)  # the value of the previous --sglang-* flag
+        for prefix, target in (("--eval-sglang-", overrides), ("--sglang-", rollout)):
+            if arg.startswith(prefix):
+                current = target
+                target.append(["--" + arg.removeprefix(prefix)])
+                break
         else:
-            parser.error(f"unrecognized arguments: {arg}")
-    return out
+            if current is None or arg.startswith("--"):
+                parser.error(f"unrecognized arguments: {arg}")
+            current[-1].append(arg)  # the value of the previous --sglang-* flag
+    replaced = {group[0].split("=", 1)[0] for group in overrides}
+    kept = [g for g in rollout if g[0].split("=", 1)[0] not in replaced]
+    return [a for g in rollout for a in g], [a for g in kept + overrides for a in g]
 
 
 def load_records(cfg: RunConfig, recipe: Recipe, ns: argparse.Namespace) -> list[PromptRecord]:
@@ -187,7 +209,7 @@ def main(recipe: Recipe, argv: Sequence[str] | None = None) -> RunSummary | None
     """Parse, validate (exit 2 on error), then either print the plan (--dry-run) or run."""
     parser = _parser(recipe)
     ns, unknown = parser.parse_known_args(argv)
-    ns.sglang_args = sglang_passthrough(parser, unknown)
+    ns.sglang_args, ns.eval_sglang_args = sglang_passthrough(parser, unknown)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = ns.run_dir or Path("runs") / f"{recipe.name}-{stamp}"
     if recipe.checkpoints_in_run_dir and ns.save is None:
@@ -234,7 +256,7 @@ async def _run(
     async with (
         recipe.build(cfg, ns) as parts,
         open_eval_engines(
-            cfg, model_path=parts.model_path, trainer=parts.trainer, sglang_args=ns.sglang_args
+            cfg, model_path=parts.model_path, trainer=parts.trainer, sglang_args=ns.eval_sglang_args
         ) as eval_engine,
     ):
         controller = Controller(

@@ -122,6 +122,11 @@ def test_external_eval_points_at_the_right_steps_on_exported_snapshots(vrun: Any
     logged = [r for r in records if "eval/lag_steps" in r]
     assert logged and max(r["eval/lag_steps"] for r in logged) >= 1  # fire-and-forget: they land later
     assert records[-1]["eval/step"] == 6.0  # the last point lands in the last record
+    # every point has its own line in eval_points.jsonl, at its own step
+    points = [json.loads(x) for x in (cfg.run_dir / "eval_points.jsonl").read_text().splitlines()]
+    assert [(p["step"], p["eval/step"], p["eval/ext/score"]) for p in points] == [
+        (s, float(s), float(s)) for s in (0, 2, 4, 6)
+    ]
     # retirement: exactly --eval-keep-snapshots exported dirs are left, the newest
     assert sorted(p.name for p in (tmp_path / "snaps").iterdir()) == ["step_4", "step_6"]
 

@@ -114,9 +114,10 @@ def test_same_routing_key_goes_to_the_same_engine() -> None:
                 asyncio.TaskGroup() as tg,
             ):
                 # 40 groups x 4 turns, all concurrent
+                answers = {}
                 for turn in range(4):
                     for group in range(40):
-                        tg.create_task(
+                        answers[group, turn] = tg.create_task(
                             router.generate(
                                 input_ids=[group, turn],
                                 sampling_params={"max_new_tokens": 3},
@@ -132,6 +133,9 @@ def test_same_routing_key_goes_to_the_same_engine() -> None:
             spread = Counter(next(iter(v)) for v in owner.values())
             assert len(spread) == 3
             assert min(spread.values()) >= 8, spread  # keys are still balanced
+            # each answer names the engine that served it (the timeline's engine tracks use it)
+            served = {key: task.result().meta["engine_index"] for key, task in answers.items()}
+            assert all(served[group, turn] in owner[str(group)] for group, turn in served)
 
     asyncio.run(main())
 

@@ -82,6 +82,9 @@ def test_eval_hook_per_point_and_true_keeps_eval_metrics_from_the_sinks(vrun: An
         assert extra["eval/step"] == rollout_id
         assert set(data) == {"held"}
         assert "accuracy" in data["held"]["metrics"]
+        held = data["held"]["samples"]  # the point's own samples, all generated at its version
+        assert len(held) == 4 and len(data["held"]["rewards"]) == 4
+        assert {v for s in held for v in s.weight_versions} == {extra["eval/version"]}
     assert len(sink.records) == 4
     assert not any(k.startswith("eval/") for _, m in sink.records for k in m)  # suppressed
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

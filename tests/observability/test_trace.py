@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -10,7 +11,14 @@ from typing import Any
 import pytest
 import structlog
 
-from miles_aio.observability.trace import CONTROLLER_PID, ENGINE_PID_BASE, NullTracer, Tracer, read_trace
+from miles_aio.observability.trace import (
+    CONTROLLER_PID,
+    ENGINE_PID_BASE,
+    FAILED_PID,
+    NullTracer,
+    Tracer,
+    read_trace,
+)
 from miles_aio.types import GenerateOutput
 from tests.observability._run import run_controller
 
@@ -52,7 +60,7 @@ def test_run_writes_a_valid_perfetto_trace(vrun: Any, tmp_path: Path) -> None:
     names = {(e["name"], e["args"]["name"]) for e in events if e["ph"] == "M"}
     assert ("process_name", "controller") in names
     assert ("process_name", "engine 0") in names
-    assert {("thread_name", "trainer"), ("thread_name", "eval"), ("thread_name", "slot 0")} <= names
+    assert {("thread_name", "trainer"), ("thread_name", "eval"), ("thread_name", "lane 0")} <= names
     slices = [e for e in events if e["ph"] == "X"]
     by_name: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for e in slices:
@@ -69,7 +77,9 @@ def test_run_writes_a_valid_perfetto_trace(vrun: Any, tmp_path: Path) -> None:
     assert len(by_name["eval point"]) == 3  # before training, after steps 2 and 4
     assert all(e["tid"] == 2 and "eval/held/accuracy" in e["args"] for e in by_name["eval point"])
     gens = by_name["generate"]
-    assert gens and all(e["pid"] >= ENGINE_PID_BASE for e in gens)
+    answered = [e for e in gens if e["args"]["finish"] != "error"]  # others: cancelled at the run's end
+    assert answered and all(e["pid"] == ENGINE_PID_BASE for e in answered)  # FakeLatencyEngine: no router
+    assert all(e["pid"] == FAILED_PID for e in gens if e["args"]["finish"] == "error")
     assert by_name["eval generate"]
     assert {"group", "tokens", "version_first", "version_last", "finish"} <= set(gens[0]["args"])
     counters = {e["name"] for e in events if e["ph"] == "C"}
@@ -85,12 +95,13 @@ def test_empty_trace_flag_writes_no_trace(vrun: Any, tmp_path: Path) -> None:
     assert (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_tracer_lanes_never_overlap_and_failed_requests_are_slices(vrun: Any, tmp_path: Path) -> None:
+def test_tracer_tracks_are_the_serving_engines_and_lanes_never_overlap(vrun: Any, tmp_path: Path) -> None:
     import asyncio
 
-    tracer = Tracer(tmp_path / "t.json", num_engines=2)
+    tracer = Tracer(tmp_path / "t.json")
 
-    async def request(key: int, seconds: float, fail: bool = False) -> None:
+    async def request(key: int, engine: int, start: float, seconds: float, fail: bool = False) -> None:
+        await asyncio.sleep(start)
         span, out = tracer.request_start(key), None
         try:
             await asyncio.sleep(seconds)
@@ -102,28 +113,46 @@ def test_tracer_lanes_never_overlap_and_failed_requests_are_slices(vrun: Any, tm
                 output_log_probs=[0.0, 0.0],
                 weight_versions=[1, 2],
                 finish_reason="stop",
+                meta={"engine_index": engine},
             )
         finally:
             tracer.request_end(span, "generate", group=key, output=out)
 
     async def main() -> None:
         async with asyncio.TaskGroup() as tg:
-            for i in range(6):
-                tg.create_task(request(i % 2 * 2, 1.0 + i))  # keys 0 and 2: both engine slot 0
-            tg.create_task(request(1, 2.0))
+            for i in range(6):  # engine 1: six concurrent requests → six lanes
+                tg.create_task(request(i, 1, 0.0, 1.0 + i))
+            tg.create_task(request(10, 0, 0.0, 2.0))  # engine 0: [0, 2] then [3, 4] share lane 0 ...
+            tg.create_task(request(11, 0, 3.0, 1.0))
+            tg.create_task(request(12, 0, 1.0, 3.0))  # ... and [1, 4] overlaps both: lane 1
         with pytest.raises(RuntimeError):
-            await request(3, 1.0, fail=True)
+            await request(3, 0, 0.0, 1.0, fail=True)
 
     vrun(main())
     tracer.close()
     events = read_trace(tmp_path / "t.json")
     check_nesting(events)
-    slot0 = [e for e in events if e["ph"] == "X" and e["pid"] == ENGINE_PID_BASE]
-    assert len(slot0) == 6 and len({e["tid"] for e in slot0}) == 6  # all concurrent: 6 lanes
-    ok = next(e for e in slot0 if e["args"]["group"] == 0)
+    engine1 = [e for e in events if e["ph"] == "X" and e["pid"] == ENGINE_PID_BASE + 1]
+    assert len(engine1) == 6 and len({e["tid"] for e in engine1}) == 6
+    engine0 = {e["args"]["group"]: e["tid"] for e in events if e["ph"] == "X" and e["pid"] == ENGINE_PID_BASE}
+    assert engine0 == {10: 0, 11: 0, 12: 1}
+    lanes: dict[tuple[int, int], list[tuple[float, float]]] = defaultdict(list)
+    for e in events:
+        if e["ph"] == "X":
+            lanes[e["pid"], e["tid"]].append((e["ts"], e["ts"] + e["dur"]))
+    for lane in lanes.values():  # no two slices of one lane overlap
+        lane.sort()
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(lane))
+    ok = next(e for e in engine1 if e["args"]["group"] == 0)
     assert ok["args"]["version_first"] == 1 and ok["args"]["version_last"] == 2 and ok["args"]["tokens"] == 2
     failed = [e for e in events if e["ph"] == "X" and e["args"].get("finish") == "error"]
-    assert len(failed) == 1 and failed[0]["pid"] == ENGINE_PID_BASE + 1
+    assert len(failed) == 1 and failed[0]["pid"] == FAILED_PID
+    names = {(e["args"]["name"], e["pid"]) for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert {
+        ("engine 0", ENGINE_PID_BASE),
+        ("engine 1", ENGINE_PID_BASE + 1),
+        ("failed requests", FAILED_PID),
+    } <= names
     last = [e for e in events if e["ph"] == "C" and e["name"] == "engine_requests"][-1]
     assert last["args"]["value"] == 0.0
 

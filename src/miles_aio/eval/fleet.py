@@ -26,6 +26,7 @@ from miles_aio.inference.router import EngineRouter
 from miles_aio.rollout.context import LimitedEngine, RolloutContext
 from miles_aio.rollout.limiter import Limiter
 from miles_aio.rollout.pool import GenerateFn, RewardFn
+from miles_aio.types import Sample
 
 __all__ = ["DedicatedEngineEval", "open_eval_engines"]
 
@@ -54,6 +55,11 @@ class DedicatedEngineEval:
             max_response_len=ev.eval_max_response_len,
             temperature=ev.eval_temperature,
         )
+
+    @property
+    def last_samples(self) -> dict[str, list[Sample]]:
+        """The samples of the last point, by dataset."""
+        return self._eval.last_samples
 
     async def evaluate_snapshot(self, snapshot: Path, *, step: int, version: int) -> dict[str, float]:
         """Consumes: the snapshot dir. Waits for: every eval engine to load it. Produces: eval/<ds>/*."""

@@ -45,6 +45,8 @@ class SharedEngineEval:
         if temperature is not None:
             params["temperature"] = temperature
         self._n = n_samples_per_prompt
+        self.last_samples: dict[str, list[Sample]] = {}
+        """The samples of the last point, by dataset (the eval logging hook gets them)."""
         self._pool = RolloutPool(
             ctx=replace(ctx, evaluation=True),
             generate_fn=generate_fn,
@@ -53,9 +55,11 @@ class SharedEngineEval:
         )
 
     async def evaluate(self) -> dict[str, float]:
-        """Run every dataset once; returns eval/<ds>/* metrics and eval/duration_seconds."""
+        """Run every dataset once; returns eval/<ds>/* metrics and eval/duration_seconds (the samples
+        are kept in `last_samples`)."""
         t0 = time.monotonic()
         metrics: dict[str, float] = {}
+        self.last_samples = {}
         for name, records in self.datasets.items():
             groups = [
                 [
@@ -73,6 +77,7 @@ class SharedEngineEval:
             async with asyncio.TaskGroup() as tg:
                 tasks = [tg.create_task(self._pool.run_group(g, on_sample_done=_noop)) for g in groups]
             samples = [s for t in tasks for s in t.result()]
+            self.last_samples[name] = samples
             metrics.update(dataset_metrics(name, samples))
         metrics["eval/duration_seconds"] = time.monotonic() - t0
         return metrics

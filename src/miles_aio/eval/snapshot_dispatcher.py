@@ -34,6 +34,7 @@ from typing import Literal, Protocol
 
 import structlog
 
+from miles_aio.eval.dispatcher import EvalPointResult, EvalReport, point_samples
 from miles_aio.eval.snapshots import EvalSkip, Snapshot, SnapshotRetirer, SnapshotSource
 
 __all__ = ["SnapshotEvalDispatcher", "SnapshotEvaluator"]
@@ -77,7 +78,7 @@ class SnapshotEvalDispatcher:
         self._lock = asyncio.Lock()
         self._prepared: dict[int, _Point] = {}
         self._pending: list[asyncio.Task[None]] = []
-        self._ready: list[dict[str, float]] = []
+        self._ready: list[EvalPointResult] = []
         self._skips: Counter[str] = Counter()
         self._steps_seen = 0
         self._last_point = -1  # eval step of the latest point prepared or dispatched
@@ -157,6 +158,7 @@ class SnapshotEvalDispatcher:
                     await self._evaluator.evaluate_snapshot(snapshot.path, step=point.step, version=version)
                 )
                 metrics.setdefault("eval/duration_seconds", loop.time() - t0)
+                samples = point_samples(self._evaluator)  # under the lock: this point's
         except EvalSkip as e:
             self._skip(point.step, e.reason)
         except Exception as e:  # CancelledError is not an Exception: it propagates
@@ -173,7 +175,7 @@ class SnapshotEvalDispatcher:
             )
             if snapshot.exported:
                 metrics["eval/export_time_seconds"] = snapshot.export_time_s
-            self._ready.append(metrics)
+            self._ready.append(EvalPointResult(metrics, samples))
             self.results.append(metrics)
             self.points += 1
             log.info(
@@ -190,12 +192,11 @@ class SnapshotEvalDispatcher:
         self._skips[reason] += 1
         self.skipped.append((step, reason))
 
-    def collect(self) -> dict[str, float]:
-        """Metrics of the points settled since the last call (newest wins), plus skip counts; once."""
-        out: dict[str, float] = {}
-        for metrics in self._ready:
-            out.update(metrics)
+    def collect(self) -> EvalReport:
+        """The points settled since the last call and the skip counts; each handed out once."""
+        report = EvalReport(
+            points=self._ready, skipped={f"eval/skipped_{r}": float(n) for r, n in self._skips.items()}
+        )
         self._ready = []
-        out.update({f"eval/skipped_{reason}": float(n) for reason, n in self._skips.items()})
         self._skips.clear()
-        return out
+        return report

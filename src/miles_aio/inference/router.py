@@ -257,6 +257,7 @@ class EngineRouter:
             finally:
                 engine.in_flight -= 1
             engine.latencies_s.append(time.monotonic() - t0)
+            out.meta["engine_index"] = engine.index  # which engine served it (the timeline's engine track)
             return out
 
     async def _wait_for_healthy(self, deadline: float) -> None:

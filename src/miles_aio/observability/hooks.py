@@ -5,13 +5,11 @@
         samples (flat list of `Sample`), `rollout_extra_metrics` the step's metrics dict (the hook may
         read it; changes are not logged), `rollout_time` the step's wall seconds (loop clock).
     def log_eval_rollout_data(rollout_id, args, data, extra_metrics) -> bool
-        once per eval point, with the step record its metrics land in: `rollout_id` the point's
-        `eval/step`, `data` = {dataset: {"metrics": {name: value}}} plus "rewards", "truncated" and
-        "samples" when the eval dispatcher exposes the point's samples (an attribute
-        `last_samples: dict[str, list[Sample]]`; none does yet, so today only "metrics" is there; the
-        hook is called from the controller with what `collect()` returns), `extra_metrics` every
-        `eval/*` metric of the point. Not called for a collect() without a point (only skip counters).
-
+        once per eval point, at the first step record written after the point finished: `rollout_id`
+        the point's `eval/step`, `data` = {dataset: {"metrics": {name: value}, "samples": [Sample],
+        "rewards": [float | None], "truncated": [bool]}} ("samples", "rewards" and "truncated" when
+        the evaluator generated the samples itself: modes 1 and 2; mode 3's external function keeps
+        its own), `extra_metrics` every `eval/*` metric of the point. Not called for skipped points.
 `args` is a flat namespace of every flag (`args.rollout_batch_size`, ...) plus `args.config` (the
 `RunConfig`) and `args.run_dir`, so a miles hook reading `args.<flag>` keeps working. A hook may be a
 plain or an `async def` function. Returning True skips the default logging of that step (every sink

@@ -1,9 +1,12 @@
 """`RunObserver`: what the controller's step loop reports, kept out of the controller.
 
-Per step (`end_step`): engine load (`perf/engine/*`), the finished eval point's metrics, the logging
-hooks (`miles_aio.observability.hooks`), every metrics sink, the trace's step slice and counters, and
-the step's log line. Per step, `begin_step` binds `step` and `version` as structlog context variables,
-so every log line of the step loop carries them (`version` is rebound by `version_pushed`).
+Per step (`end_step`): engine load (`perf/engine/*`), the eval points finished since the last step
+(each gets its own line in `<run-dir>/eval_points.jsonl`, its own eval-hook call with its samples, and
+its own trace slice; the step record carries the newest point's metrics and the skip counters), the
+logging hooks (`miles_aio.observability.hooks`), every metrics sink, the trace's step slice and
+counters, and the step's log line. Per step, `begin_step` binds `step` and `version` as structlog
+context variables, so every log line of the step loop carries them (`version` is rebound by
+`version_pushed`).
 
 Sinks: `<run-dir>/metrics.jsonl` (always, with files), the caller's sinks, wandb (`--use-wandb`).
 """
@@ -15,10 +18,12 @@ from collections.abc import Sequence, Sized
 import structlog
 
 from miles_aio.config import RunConfig
+from miles_aio.eval.dispatcher import EvalReport
 from miles_aio.metrics import JsonlSink, MetricsSink, brief
 from miles_aio.observability.accounting import StepTimes
 from miles_aio.observability.engine_load import engine_load_metrics
 from miles_aio.observability.hooks import flat_args, resolve_log_hooks
+from miles_aio.observability.registry import check_metrics
 from miles_aio.observability.trace import NullTracer, Tracer
 from miles_aio.scheduler.policy import SchedulerState
 from miles_aio.types import Group
@@ -38,16 +43,16 @@ class RunObserver:
         *,
         sinks: Sequence[MetricsSink] = (),
         write_files: bool = True,
-        num_engines: int = 1,
     ) -> None:
         o = cfg.observability
         self.engine = engine
         self.tracer: Tracer = (
-            Tracer(cfg.run_dir / o.trace, num_engines=num_engines, max_events=o.trace_max_events)
+            Tracer(cfg.run_dir / o.trace, max_events=o.trace_max_events)
             if write_files and o.trace
             else NullTracer()
         )
         self.jsonl = JsonlSink(cfg.run_dir / "metrics.jsonl") if write_files else None
+        self.eval_points = JsonlSink(cfg.run_dir / "eval_points.jsonl") if write_files else None
         self.sinks: list[MetricsSink] = [self.jsonl] if self.jsonl is not None else []
         self.sinks.extend(sinks)
         if o.use_wandb and write_files:
@@ -59,7 +64,6 @@ class RunObserver:
         self.version: int | None = None
         self._buffer: Sized = ()
         self._state = SchedulerState()
-        self._evals: object = None
         self._eval_started: dict[int, float] = {}  # eval step → when its point was dispatched
 
     def watch(self, buffer: Sized, state: SchedulerState) -> None:
@@ -81,9 +85,8 @@ class RunObserver:
         structlog.contextvars.bind_contextvars(version=version)
         self.sample_counters()
 
-    def eval_dispatched(self, steps_done: int, evals: object) -> None:
+    def eval_dispatched(self, steps_done: int) -> None:
         """An eval point started (its trace slice ends when its metrics arrive)."""
-        self._evals = evals
         self._eval_started[steps_done] = self.tracer.now()
 
     def _trace_eval(self, metrics: dict[str, float]) -> None:
@@ -101,7 +104,7 @@ class RunObserver:
         groups: list[Group],
         metrics: dict[str, float],
         *,
-        eval_metrics: dict[str, float],
+        evals: EvalReport,
         times: StepTimes,
         start: float,
         train_start: float,
@@ -110,12 +113,17 @@ class RunObserver:
         metrics["rollout/policy_version"] = float(self.version or 0)
         metrics["rollout/in_flight_groups"] = float(self._state.in_flight_groups)
         metrics.update(await engine_load_metrics(self.engine))
+        eval_metrics = evals.step_metrics()
         metrics.update(eval_metrics)
+        check_metrics(metrics)  # a warning, once per name, for a metric the registry lacks
         samples = [s for g in groups for s in g]
         skip_step = await self.hooks.log_rollout(self.args, step, samples, metrics, times.step_s)
-        skip_eval = "eval/step" in eval_metrics and await self.hooks.log_eval(
-            self.args, eval_metrics, getattr(self._evals, "last_samples", None)
-        )
+        skip_eval = False
+        for point in evals.points:
+            if self.eval_points is not None:
+                self.eval_points.log(int(point.metrics.get("eval/step", step)), point.metrics)
+            skip_eval |= await self.hooks.log_eval(self.args, point.metrics, point.samples)
+            self._trace_eval(point.metrics)
         default = {k: v for k, v in metrics.items() if k not in eval_metrics} if skip_eval else metrics
         for sink in self.sinks:
             if sink is self.jsonl:
@@ -130,8 +138,6 @@ class RunObserver:
                 f"step {step}", track="trainer", start=start, groups=len(groups), samples=len(samples)
             )
             self.sample_counters()
-            if eval_metrics:
-                self._trace_eval(eval_metrics)
         log.info("step", **brief(metrics))
         return metrics
 
@@ -141,5 +147,7 @@ class RunObserver:
         try:
             for sink in self.sinks:
                 sink.close()
+            if self.eval_points is not None:
+                self.eval_points.close()
         finally:
             self.tracer.close()

@@ -7,12 +7,14 @@ Open `<run-dir>/trace.json` in https://ui.perfetto.dev or chrome://tracing. Trac
   controller / eval      one slice per eval point (dispatch → finished), args: step, version, metrics
   controller counters    `buffer_depth` (groups), `in_flight_samples`, `engine_requests` (calls holding
                          a limiter slot), sampled at each step, around each push and on every engine call
-  engine <k> / slot <j>  one slice per engine request (`generate`, or `eval generate`), args: group id
+  engine <k> / lane <j>  one slice per engine request (`generate`, or `eval generate`), args: group id
                          (the routing key), prompt/output tokens, first and last policy version, finish
-                         reason. `k` is the engine *slot* `hash(routing_key) % num_engines` (the router's
-                         actual choice is not visible through the `InferenceEngine` interface; a group's
-                         requests always land in one slot), `j` a lane: the lowest one free when the
-                         request started, so slices on one lane never overlap.
+                         reason. `k` is the engine that served it (the router stamps `engine_index` into
+                         the output's `meta`; outputs of a bare client, without it, go to engine 0), `j`
+                         a lane: a slice is placed when it ends, on the lowest lane of its engine whose
+                         last slice ended before this one started, so slices on one lane never overlap.
+  failed requests        requests that raised (no engine answered for them): one slice each, `finish`
+                         = "error", on their own track since no engine can be named.
 
 Timestamps come from the event loop's clock (`loop.time()`, virtual under looptime); the file has them
 in microseconds since the earliest event. Events stay in memory (at most `max_events`; later ones are
@@ -33,7 +35,15 @@ from typing import Any
 
 from miles_aio.types import GenerateOutput
 
-__all__ = ["CONTROLLER_PID", "ENGINE_PID_BASE", "NullTracer", "RequestSpan", "Tracer", "read_trace"]
+__all__ = [
+    "CONTROLLER_PID",
+    "ENGINE_PID_BASE",
+    "FAILED_PID",
+    "NullTracer",
+    "RequestSpan",
+    "Tracer",
+    "read_trace",
+]
 
 CONTROLLER_PID = 1
 ENGINE_PID_BASE = 100
@@ -49,11 +59,12 @@ def _loop_time() -> float:
 
 @dataclass(slots=True)
 class RequestSpan:
-    """One engine request in progress: where its slice goes and when it started."""
+    """One engine request in progress: when it started (its track is known when it ends)."""
 
-    engine: int
-    lane: int
     start: float
+
+
+FAILED_PID = ENGINE_PID_BASE - 1
 
 
 class Tracer:
@@ -61,14 +72,12 @@ class Tracer:
 
     enabled = True
 
-    def __init__(self, path: Path, *, num_engines: int = 1, max_events: int = 500_000) -> None:
+    def __init__(self, path: Path, *, max_events: int = 500_000) -> None:
         self.path = path
-        self.num_engines = max(1, num_engines)
         self.max_events = max_events
         self.events: list[dict[str, Any]] = []
         self.dropped = 0
-        self._lanes: dict[int, list[bool]] = {}  # engine slot → busy flag per lane
-        self._round_robin = 0
+        self._lanes: dict[int, list[float]] = {}  # engine pid → end time of each lane's last slice
         self._in_flight_requests = 0
         self._closed = False
 
@@ -117,28 +126,20 @@ class Tracer:
 
     # -- engine tracks ----------------------------------------------------------------------------------
     def request_start(self, routing_key: Hashable | None) -> RequestSpan:
-        """An engine request begins: take the lowest free lane of its engine slot."""
-        if routing_key is None:
-            engine, self._round_robin = self._round_robin % self.num_engines, self._round_robin + 1
-        else:
-            engine = hash(routing_key) % self.num_engines
-        lanes = self._lanes.setdefault(engine, [])
-        lane = next((i for i, busy in enumerate(lanes) if not busy), len(lanes))
-        if lane == len(lanes):
-            lanes.append(True)
-        lanes[lane] = True
+        """An engine request begins (`routing_key` is kept by the caller for `request_end`)."""
         self._in_flight_requests += 1
         start = self.now()
         self.counter("engine_requests", self._in_flight_requests, at=start)
-        return RequestSpan(engine=engine, lane=lane, start=start)
+        return RequestSpan(start=start)
 
     def request_end(
         self, span: RequestSpan, name: str, *, group: Hashable | None, output: GenerateOutput | None
     ) -> None:
-        """The request ended (`output` None: it failed or was cancelled): its slice; the lane is free."""
+        """The request ended (`output` None: it failed or was cancelled): its slice on its engine's track."""
         args: dict[str, Any] = {"group": group}
         if output is None:
             args["finish"] = "error"
+            pid = FAILED_PID
         else:
             versions = [v for v in output.weight_versions if v is not None]
             args |= {
@@ -148,16 +149,23 @@ class Tracer:
                 "version_last": versions[-1] if versions else None,
                 "finish": output.finish_reason,
             }
-        self._lanes[span.engine][span.lane] = False
+            engine = output.meta.get("engine_index", 0)
+            pid = ENGINE_PID_BASE + (engine if isinstance(engine, int) else 0)
         self._in_flight_requests -= 1
         end = self.now()
         self.counter("engine_requests", self._in_flight_requests, at=end)
+        # Slices are placed in order of their end, so a lane's last slice ends latest on that lane.
+        lanes = self._lanes.setdefault(pid, [])
+        lane = next((i for i, last_end in enumerate(lanes) if last_end <= span.start), len(lanes))
+        if lane == len(lanes):
+            lanes.append(end)
+        lanes[lane] = end
         self._add(
             {
                 "name": name,
                 "ph": "X",
-                "pid": ENGINE_PID_BASE + span.engine,
-                "tid": span.lane,
+                "pid": pid,
+                "tid": lane,
                 "ts": span.start,
                 "dur": max(0.0, end - span.start),
                 "args": _jsonable(args),
@@ -177,9 +185,10 @@ class Tracer:
 
         out = [meta("process_name", CONTROLLER_PID, "controller")]
         out += [meta("thread_name", CONTROLLER_PID, track, tid) for track, tid in _THREADS.items()]
-        for engine, lanes in sorted(self._lanes.items()):
-            out.append(meta("process_name", ENGINE_PID_BASE + engine, f"engine {engine}"))
-            out += [meta("thread_name", ENGINE_PID_BASE + engine, f"slot {j}", j) for j in range(len(lanes))]
+        for pid, lanes in sorted(self._lanes.items()):
+            name = "failed requests" if pid == FAILED_PID else f"engine {pid - ENGINE_PID_BASE}"
+            out.append(meta("process_name", pid, name))
+            out += [meta("thread_name", pid, f"lane {j}", j) for j in range(len(lanes))]
         return out
 
     def close(self) -> None:
@@ -221,7 +230,7 @@ class NullTracer(Tracer):
         return None
 
     def request_start(self, routing_key: Hashable | None) -> RequestSpan:
-        return RequestSpan(engine=0, lane=0, start=0.0)
+        return RequestSpan(start=0.0)
 
     def request_end(
         self, span: RequestSpan, name: str, *, group: Hashable | None, output: GenerateOutput | None
