@@ -50,11 +50,27 @@ def typecheck(session: nox.Session) -> None:
 
 
 @nox.session(python="3.11")
+def docs(session: nox.Session) -> None:
+    """Build the documentation site into site/ with `mkdocs build --strict` (broken links fail).
+
+    docs/reference/flags.md must match the parser (`python -m miles_aio.docgen` regenerates it).
+    """
+    session.install("torch==2.13.0", env=PINNED)
+    session.install("-e", ".[docs]", env=PINNED)
+    session.run("python", "-m", "miles_aio.docgen", "--check")
+    session.run("mkdocs", "build", "--strict", *session.posargs, env={"NO_MKDOCS_2_WARNING": "1"})
+
+
+@nox.session(python="3.11")
 def bench(session: nox.Session) -> None:
-    """Run the benchmarks and write their JSON results under bench-results/ (several minutes)."""
+    """Run the benchmarks, write their JSON under bench-results/, regenerate docs/benchmarks.md (~15 min)."""
     install_project(session, "test")
     for name in ("pipeline", "client", "engine", "weight_sync", "soak"):
         session.run("python", "-m", f"benchmarks.{name}", "--output", f"bench-results/{name}.json")
+    simulate = ("python", "-m", "benchmarks.simulate", "--validate")
+    session.run(*simulate, "--output", "bench-results/simulate.json")
+    session.run("python", "-m", "benchmarks.tune", "--output", "bench-results/tune.json")
+    session.run("python", "-m", "benchmarks.report")  # bench-results/*.json → docs/benchmarks.md + images
 
 
 @nox.session(python="3.11")

@@ -11,6 +11,7 @@ import pytest
 
 from miles_aio.ledger import check_conservation, read_ledger
 from miles_aio.models.tiny import build_tiny_llama
+from miles_aio.observability.registry import unknown_metrics
 
 RECIPES = ["simulated", "quickstart", "tool_use", "gsm8k_qwen3", "smollm2_math"]
 FULLY_ASYNC = [
@@ -61,6 +62,10 @@ def test_every_recipe_dry_run_validates_and_starts_nothing(
             "answer",
             "--sglang-mem-fraction-static",
             "0.8",
+            "--sglang-context-length",
+            "4096",
+            "--eval-sglang-mem-fraction-static",
+            "0.6",
         ]
     proc = run(f"recipes.{recipe}", "--dry-run", "--run-dir", str(tmp_path / "run"), *extra)
     assert proc.returncode == 0, proc.stderr
@@ -70,7 +75,8 @@ def test_every_recipe_dry_run_validates_and_starts_nothing(
     assert not (tmp_path / "run").exists()
     if recipe == "gsm8k_qwen3":
         assert plan["gpus"]["rollout"].startswith("4-7")
-        assert plan["sglang_args"] == ["--mem-fraction-static", "0.8"]
+        assert plan["sglang_args"] == ["--mem-fraction-static", "0.8", "--context-length", "4096"]
+        assert plan["eval_sglang_args"] == ["--context-length", "4096", "--mem-fraction-static", "0.6"]
 
 
 @pytest.mark.timeout(300)
@@ -112,6 +118,7 @@ def test_quickstart_end_to_end(tmp_path: Path) -> None:
         assert r["eval/held_out/mixed_version_ratio"] == 0.0
         assert {"eval/lag_steps", "eval/duration_seconds"} <= r.keys()
     assert max(r["rollout/fully_async/max_staleness"] for r in rows) >= 0
+    assert unknown_metrics({k for r in rows for k in r}) == []  # all in the metric registry
     check_conservation(read_ledger(run_dir / "ledger.jsonl"))
     assert (tmp_path / "ckpt" / "latest").read_text() == "3"
     assert (run_dir / "learning.png").is_file() and (run_dir / "reward.png").is_file()
