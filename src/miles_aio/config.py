@@ -215,8 +215,12 @@ class BufferConfig:
     custom_async_data_buffer_path: str | None = opt(
         None, "A DataBuffer subclass replacing the default buffer.", metavar="PKG.MOD:CLASS"
     )
+    max_group_recycles: int = opt(
+        8, "A prompt group recycled this many times (retry handler or failure policy) is dropped instead."
+    )
 
     def __post_init__(self) -> None:
+        _positive(self.max_group_recycles, "max_group_recycles")
         factor = self.async_data_buffer_capacity_factor
         if not (factor > 0 and math.isfinite(factor)):
             raise ConfigError(f"must be > 0, got {factor}", flags=["--async-data-buffer-capacity-factor"])

@@ -109,10 +109,8 @@ class Controller:
         self._next_drain: asyncio.Task[list[BufferItem]] | None = None
         self._draining: list[BufferItem] = []  # groups the current drain has taken so far
         self._stop = asyncio.Event()
-        run_dir = cfg.run_dir
-        self.ledger = Ledger(
-            run_dir / "ledger.jsonl" if write_files else None, dataset_size=source.dataset_size
-        )
+        ledger_path = cfg.run_dir / "ledger.jsonl" if write_files else None
+        self.ledger = Ledger(ledger_path, dataset_size=source.dataset_size)
         self.obs = RunObserver(cfg, engine, sinks=sinks, write_files=write_files)
         self.sinks, self.tracer = self.obs.sinks, self.obs.tracer  # metrics sinks; timeline trace
         self.limiter = Limiter(cfg.rollout.sglang_server_concurrency * num_engines)
@@ -165,6 +163,7 @@ class Controller:
         self.fates = GroupFates(
             handler=cfg.buffer.async_unused_samples_handler,
             failure_policy=cfg.rollout.rollout_failure_policy,
+            max_recycles=cfg.buffer.max_group_recycles,
             discard=self.worker.on_discarded,
             ledger=self.ledger,
             source=source,

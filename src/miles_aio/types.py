@@ -36,8 +36,10 @@ class Status(enum.StrEnum):
     PENDING = "pending"
     COMPLETED = "completed"  # the engine stopped on EOS or a stop token
     TRUNCATED = "truncated"  # hit max_new_tokens / the context limit
-    ABORTED = "aborted"  # the engine aborted the request (pause in abort mode, shutdown, engine death)
-    FAILED = "failed"  # user code raised, or the engine answered with something unusable
+    # the engine aborted the request (pause in abort mode, shutdown), or the call failed at the engine
+    # (unreachable after the router's retries, an error status, an unusable answer): the unused handler
+    ABORTED = "aborted"
+    FAILED = "failed"  # user code raised (reward, generate, dynamic filter): --rollout-failure-policy
 
 
 _FINISH_TO_STATUS: dict[str, Status] = {

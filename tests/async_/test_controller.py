@@ -296,3 +296,36 @@ def test_engine_failures_abort_samples_and_the_run_goes_on(vrun: Any, tmp_path: 
     assert sum(m["rollout/fully_async/aborted_groups_filtered"] for m in metrics_lines(tmp_path)) > 0
     counts = check_conservation(read_ledger(tmp_path / "run" / "ledger.jsonl"))
     assert counts["recycled"] > 0
+
+
+class PoisonedPromptEngine(FakeLatencyEngine):
+    """A FAKE engine that fails every request for the prompt "prompt 7", as if it crashed the server."""
+
+    async def generate(self, **kw: Any) -> Any:
+        if bytes(kw["input_ids"]).decode() == "prompt 7":
+            self.requests += 1
+            raise EngineUnavailable("the engine fails on this prompt")
+        return await super().generate(**kw)
+
+
+def test_a_prompt_that_always_fails_is_dropped_after_max_group_recycles(vrun: Any, tmp_path: Path) -> None:
+    config = make_config(
+        tmp_path / "run", num_rollout=12, async_unused_samples_handler="retry", max_group_recycles=3
+    )
+    controller = Controller(
+        config,
+        engine=PoisonedPromptEngine(LogNormalLatency(1.0, 5.0), tokens_per_s=10),
+        trainer=FakeTrainer(step_time_s=1.0),
+        source=make_source(n_prompts=20, n=2),
+        plugins=resolve_plugins(config),
+        tokenizer=FakeTokenizer(),
+    )
+    assert vrun(controller.run()).steps == 12  # more steps than prompts: every prompt comes up again
+    events = read_ledger(tmp_path / "run" / "ledger.jsonl")
+    check_conservation(events)
+    poisoned = {e["group_id"] for e in events if e.get("prompt_index") == 7}
+    fates = [e for e in events if e["group_id"] in poisoned and e["fate"] in ("recycled", "dropped")]
+    # per epoch: recycled 3 times under one id, then dropped, never trained
+    assert [e["fate"] for e in fates[:4]] == ["recycled", "recycled", "recycled", "dropped"]
+    assert fates[3]["reason"] == "aborted, recycled 3 times"
+    assert not any(e["fate"] == "trained" for e in events if e["group_id"] in poisoned)

@@ -7,11 +7,14 @@ recycles them, `drop` records the fate `failed`. `on_filtered` handles dynamic-f
 are always dropped (they carry no usable gradient signal; recycling them would just resample the same
 easy or hopeless prompt).
 Either way the scheduler stops counting the group, the ledger records its fate and its tokens are
-counted as wasted.
+counted as wasted. A group recycled `--max-group-recycles` times is dropped instead (reason
+"<why>, recycled N times"): a prompt the engines keep failing on must not circulate forever. The count
+lives in memory: a resumed run starts counting again.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -34,8 +37,11 @@ class GroupFates:
         ledger: Ledger,
         source: DataSource,
         accounting: StepAccounting,
+        max_recycles: int = 8,
     ) -> None:
         self._handler = handler
+        self._max_recycles = max_recycles
+        self._recycled: Counter[int] = Counter()
         self._failure_policy = failure_policy
         self._discard = discard
         self._ledger = ledger
@@ -48,7 +54,10 @@ class GroupFates:
         self._accounting.add_wasted(reason, item.group)
         if reason == "failed" and self._failure_policy != "retry":
             self._ledger.record("failed", gid, reason="user code raised")
+        elif self._recycled[gid] >= self._max_recycles:
+            self._ledger.record("dropped", gid, reason=f"{reason}, recycled {self._recycled.pop(gid)} times")
         elif self._handler == "retry" or reason == "failed":
+            self._recycled[gid] += 1
             self._ledger.record("recycled", gid, reason=reason)
             self._source.recycle(item.prompt_group)
         else:
