@@ -40,7 +40,13 @@ class FakeRouter:
         return self._clients
 
     def stats(self) -> dict[str, float]:
-        return {"router/latency_p50_s": 0.5, "router/latency_p99_s": 4.0, "router/in_flight": 7.0}
+        return {
+            "router/latency_p50_s": 0.5,
+            "router/latency_p99_s": 4.0,
+            "router/in_flight": 7.0,
+            "router/engine1/latency_p50_s": 0.25,
+            "router/engine1/latency_p99_s": 3.0,
+        }
 
 
 def test_engine_load_sums_states_and_skips_engines_that_do_not_answer(vrun: Any) -> None:
@@ -72,6 +78,8 @@ def test_engine_load_sums_states_and_skips_engines_that_do_not_answer(vrun: Any)
         "perf/engine/latency_p50_s": 0.5,
         "perf/engine/latency_p99_s": 4.0,
         "perf/engine/in_flight": 7.0,
+        "perf/engine/1/latency_p50_s": 0.25,  # per engine, for the engines that have latencies
+        "perf/engine/1/latency_p99_s": 3.0,
     }
 
 

@@ -4,7 +4,7 @@ From each engine's `/server_info` `internal_states` (summed over an engine's dat
   perf/engine/num_running_reqs, perf/engine/queue_len               totals over the engines
   perf/engine/<i>/num_running_reqs, perf/engine/<i>/queue_len       per engine
 From the router's `stats()`: perf/engine/latency_p50_s, perf/engine/latency_p99_s (seconds, over its
-recent requests), perf/engine/in_flight.
+recent requests), the same per engine (perf/engine/<i>/latency_p50_s, ..._p99_s), perf/engine/in_flight.
 
 Only an engine handle that has `clients` (each with `server_info()`) and `stats()` — the
 `EngineRouter` every recipe uses — reports; anything else (the fakes) gives no metric. An engine that
@@ -87,4 +87,9 @@ async def engine_load_metrics(engine: object, *, timeout_s: float = 2.0) -> dict
         out["perf/engine/queue_len"] = sum(q for _, (_, q) in answered)
     stats = engine.stats()
     out |= {name: stats[key] for key, name in STAT_KEYS.items() if key in stats}
+    for i in range(len(engine.clients)):
+        if (p50 := stats.get(f"router/engine{i}/latency_p50_s")) is not None:
+            out[f"perf/engine/{i}/latency_p50_s"] = p50
+        if (p99 := stats.get(f"router/engine{i}/latency_p99_s")) is not None:
+            out[f"perf/engine/{i}/latency_p99_s"] = p99
     return out

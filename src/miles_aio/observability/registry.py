@@ -131,6 +131,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "99th-percentile generate latency over the router's recent requests.",
         _LOAD,
     ),
+    _m("perf/engine/{i}/latency_p50_s", "Median generate latency of engine i's recent requests.", _LOAD),
+    _m("perf/engine/{i}/latency_p99_s", "99th-percentile generate latency of engine i.", _LOAD),
     _m("perf/engine/in_flight", "Generate calls in flight in the router.", _LOAD),
     # -- the trainer ranks ----------------------------------------------------------------------------------
     _m("perf/trainer_tokens_per_s", "Tokens (prompt + response) per second inside the trainer ranks.", _RANK),
