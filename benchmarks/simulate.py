@@ -11,8 +11,9 @@ are fakes:
            or resampled from a recorded run (--lengths-from RUN_DIR: its trace.json's requests);
            continuous batching of at most --max-running requests per engine, a decode step taking
            --base-per-token-s + --slope-per-token-s × running requests (throughput degrades with
-           concurrency); each request's prefill (--prefill-s) holds up the engine's decoding, and
-           --request-latency-s adds latency outside the engine.
+           concurrency, or a measured --per-token-curve); each request's start (its prefill and
+           handling: --prefill-s, or a measured --prefill-curve by running requests) holds up the
+           engine's decoding, and --request-latency-s adds latency outside the engine.
   trainer  `FakeTrainer`: --train-step-s + --train-per-token-s × response tokens per step, and
            --sync-s per weight push.
 
@@ -93,6 +94,7 @@ class SimConfig:
     slope_per_token_s: float = 0.0001
     per_token_curve: str | None = None  # "running:seconds,..." measured points (replaces base/slope)
     prefill_s: float = 0.0
+    prefill_curve: str | None = None  # "running:seconds,..." measured points (replaces prefill_s)
     request_latency_s: float = 0.0
     max_running: int = 256
     num_engines: int = 1
@@ -108,10 +110,10 @@ class SimConfig:
         return LogNormalLengths(self.p50_tokens, self.p99_tokens)
 
     def curve(self) -> list[tuple[float, float]]:
-        if not self.per_token_curve:
-            return []
-        points = [p.split(":") for p in self.per_token_curve.split(",")]
-        return [(float(r), float(t)) for r, t in points]
+        return _points(self.per_token_curve)
+
+    def start_curve(self) -> list[tuple[float, float]]:
+        return _points(self.prefill_curve)
 
     def run_config(self, run_dir: Path) -> RunConfig:
         cap = self.async_max_concurrent_samples
@@ -143,6 +145,14 @@ class SimConfig:
             train=TrainConfig(use_tis=True),
             run_dir=run_dir,
         )
+
+
+def _points(spec: str | None) -> list[tuple[float, float]]:
+    """The points of a "running:seconds,..." curve ([] for None or "")."""
+    if not spec:
+        return []
+    points = [p.split(":") for p in spec.split(",")]
+    return [(float(r), float(t)) for r, t in points]
 
 
 def recorded_lengths(path: Path) -> list[int]:
@@ -199,6 +209,7 @@ def run_sim(cfg: SimConfig) -> dict[str, Any]:
             num_engines=cfg.num_engines,
             per_token_curve=cfg.curve(),
             prefill_s=cfg.prefill_s,
+            prefill_curve=cfg.start_curve(),
             request_latency_s=cfg.request_latency_s,
             seed=cfg.seed,
         )
@@ -298,6 +309,7 @@ HELP = {
     "slope_per_token_s": "extra decode step seconds per running request",
     "per_token_curve": "decode step seconds RUNNING:SECONDS,... (interpolated; replaces base/slope)",
     "prefill_s": "engine seconds per request start (prefill) during which decoding waits",
+    "prefill_curve": "engine seconds per request start by RUNNING:SECONDS,... (replaces prefill-s)",
     "request_latency_s": "per-request latency outside the engine (HTTP, client)",
     "max_running": "requests an engine decodes at once; more wait in its queue",
     "num_engines": "identical engines (round robin)",

@@ -6,8 +6,9 @@ most `max_running` requests per engine (the rest wait in its queue, FIFO); all r
 decode in lock-step, one token each per *decode step*, and a decode step of an engine with r running
 requests takes `per_token_s(r) = base_per_token_s + slope_per_token_s × r` (or a measured
 `per_token_curve`, interpolated) — so per-request speed falls and engine throughput saturates as
-concurrency grows, as on a real engine. Each request's prefill (`prefill_s`) holds up the engine's
-decoding (prefills serialize); `request_latency_s` is latency outside the engine (HTTP, client).
+concurrency grows, as on a real engine. Each request's start (`prefill_s`, or a measured `prefill_curve`
+by requests at the engine: its prefill and its handling on the engine) holds up the engine's decoding
+(they serialize); `request_latency_s` is latency outside the engine (HTTP, client).
 
 Time: processor sharing, event driven. Every running request of an engine advances by the same
 number of tokens, so one counter per engine (`work`: tokens each running request has decoded since
@@ -114,6 +115,7 @@ class FakeBatchedEngine(InferenceEngine):
         num_engines: int = 1,
         per_token_curve: Sequence[tuple[float, float]] = (),
         prefill_s: float = 0.0,
+        prefill_curve: Sequence[tuple[float, float]] = (),
         request_latency_s: float = 0.0,
         vocab_size: int = 256,
         seed: int = 0,
@@ -122,8 +124,11 @@ class FakeBatchedEngine(InferenceEngine):
         self.base_per_token_s, self.slope_per_token_s = base_per_token_s, slope_per_token_s
         self._curve = sorted(per_token_curve)
         self.prefill_s, self.request_latency_s = prefill_s, request_latency_s
+        self._prefill_curve = sorted(prefill_curve)
         if len(self._curve) == 1 or any(t <= 0 for _, t in self._curve):
             raise ValueError("a per-token curve needs >= 2 (running, seconds > 0) points")
+        if any(t < 0 for _, t in self._prefill_curve):
+            raise ValueError("a prefill curve needs (running, seconds >= 0) points")
         self.max_running = max_running
         self._vocab = vocab_size
         self._rng = random.Random(seed)
@@ -148,6 +153,21 @@ class FakeBatchedEngine(InferenceEngine):
         (x0, y0), (x1, y1) = c[i - 1], c[i]
         return max(min(y for _, y in c) * 0.5, y0 + (y1 - y0) * (running - x0) / (x1 - x0))
 
+    def start_s(self, running: int) -> float:
+        """Engine seconds of one request start with `running` requests at the engine (running or queued,
+        itself included):
+        `prefill_s`, or, with a measured prefill curve, linear interpolation of its points (flat past
+        both ends)."""
+        c = self._prefill_curve
+        if not c:
+            return self.prefill_s
+        if running <= c[0][0]:
+            return c[0][1]
+        for (x0, y0), (x1, y1) in itertools.pairwise(c):
+            if running <= x1:
+                return y0 + (y1 - y0) * (running - x0) / (x1 - x0)
+        return c[-1][1]
+
     def load(self) -> EngineLoad:
         return EngineLoad(
             running=float(sum(len(e.running) for e in self._engines)),
@@ -166,11 +186,12 @@ class FakeBatchedEngine(InferenceEngine):
             rid, req = e.queue.popleft()
             if req.fut.done():
                 continue
-            if self.prefill_s:  # its prefill holds up every decode step of the engine
-                e.stall_until = max(now, e.stall_until) + self.prefill_s
             req.start, req.running = e.work, True
             req.marks.append((0, self.version))
             e.running[rid] = req
+            # its prefill holds up every decode step of the engine; its cost by the requests at the engine
+            if cost := self.start_s(len(e.running) + len(e.queue)):
+                e.stall_until = max(now, e.stall_until) + cost
             heapq.heappush(e.heap, (req.start + req.n, rid))
 
     def _finish(self, e: _Engine, rid: int) -> None:

@@ -118,6 +118,20 @@ class ModelRunner:
                 self.model.weights[name].copy_(tensor)
 
 
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...], n: int) -> int:
+    """Length of the common prefix of `a` and `b`, at most `n` (both at least `n` long)."""
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 class PrefixCache:
     """LRU map prompt → KV, by longest common prefix, matching only the current weights epoch.
 
@@ -133,22 +147,25 @@ class PrefixCache:
         return len(self._entries)
 
     def lookup(self, tokens: list[int], *, epoch: int) -> tuple[int, CachedPrefix | None]:
-        """The longest reusable prefix of `tokens` (at most len - 1: the last token must be fed)."""
+        """The longest reusable prefix of `tokens` (at most len - 1: the last token must be fed).
+
+        Runs on the engine's event loop for every request start, over every entry: it compares the
+        entries' token tuples (C-level slice comparisons, a binary search for the mismatch) rather than
+        tensors, which cost several torch calls per entry (~1 ms per request with 64 entries)."""
         if not self._entries or len(tokens) < 2:
             return 0, None
-        query = torch.tensor(tokens)
-        best, best_entry, best_key = 0, None, None
+        query = tuple(tokens)
+        best, best_key = 0, None
         for key, entry in self._entries.items():
-            if entry.epoch != epoch:
+            if entry.epoch != epoch or not key or key[0] != query[0]:
                 continue
-            n = min(len(entry.tokens), len(tokens) - 1)
-            same = entry.tokens[:n] == query[:n]
-            lcp = n if bool(same.all()) else int((~same).nonzero()[0, 0])
+            lcp = _common_prefix(key, query, min(len(key), len(query) - 1))
             if lcp > best:
-                best, best_entry, best_key = lcp, entry, key
-        if best_key is not None:
-            self._entries.move_to_end(best_key)
-        return best, best_entry
+                best, best_key = lcp, key
+        if best_key is None:
+            return 0, None
+        self._entries.move_to_end(best_key)
+        return best, self._entries[best_key]
 
     def insert(self, tokens: list[int], k: list[torch.Tensor], v: list[torch.Tensor], *, epoch: int) -> None:
         if self.max_entries <= 0:
