@@ -153,3 +153,19 @@ def test_rank_death_while_idle_cancels_the_block(model_dir: Path, tmp_path: Path
         run(main())
     assert time.monotonic() - t0 < 30
     assert not any(alive(p) for p in pids)
+
+
+@pytest.mark.timeout(60)
+def test_rank_threads_leave_the_embedded_engines_their_cores(model_dir: Path, tmp_path: Path) -> None:
+    from tests.helpers import make_config
+
+    run_cfg = make_config(tmp_path / "run", num_rollout=1, engine_num_threads=1)
+    assert run_cfg.engine.rollout_backend == "local" and run_cfg.engine.num_engines == 1
+
+    async def threads(cfg: TrainConfig) -> int:
+        async with TrainerActor.open(cfg, run_cfg, run_dir=tmp_path / "t") as actor:
+            return actor.threads
+
+    cores = os.cpu_count() or 1
+    assert run(threads(_cfg(model_dir))) == max(1, cores - 1)  # one core for the one engine thread
+    assert run(threads(_cfg(model_dir, trainer_num_threads=3))) == 3  # the flag overrides

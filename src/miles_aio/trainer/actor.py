@@ -68,8 +68,17 @@ class TrainerRankError(MilesAioError):
 class TrainerActor:
     """The `Trainer` protocol over trainer rank processes. Build it with `TrainerActor.open(...)`."""
 
-    def __init__(self, cfg: TrainConfig, *, run_dir: Path, listener: ChannelListener, spawn: bool) -> None:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        *,
+        run_dir: Path,
+        listener: ChannelListener,
+        spawn: bool,
+        engine_threads: int = 0,
+    ) -> None:
         self.cfg = cfg
+        self._engine_threads = engine_threads  # cores the embedded engines on this machine keep busy
         self.run_dir = run_dir
         self._listener = listener
         self._spawn = spawn
@@ -89,6 +98,7 @@ class TrainerActor:
         self._device = "cpu"
         self._bcast: tuple[int, str, list[list[str]], dict[str, tuple[str, list[int]]]] | None = None
         self.wrapper = ""
+        self.threads = 0  # torch threads of each rank (reported by rank 0)
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     @classmethod
@@ -122,7 +132,10 @@ class TrainerActor:
         listener = ChannelListener(secret, host=train_cfg.trainer_host, port=train_cfg.trainer_port)
         # abspath: the engines and the ranks get absolute paths whatever their cwd
         run_dir = Path(os.path.abspath(run_dir))  # noqa: ASYNC240 - no I/O beyond getcwd, once per run
-        actor = cls(train_cfg, run_dir=run_dir, listener=listener, spawn=spawn)
+        e = run_cfg.engine if run_cfg is not None else None
+        local = e is not None and e.rollout_backend == "local" and not e.sglang_urls
+        engine_threads = e.num_engines * e.engine_num_threads if e is not None and local else 0
+        actor = cls(train_cfg, run_dir=run_dir, listener=listener, spawn=spawn, engine_threads=engine_threads)
         try:
             async with asyncio.TaskGroup() as tg:
                 actor._tg = tg
@@ -146,7 +159,9 @@ class TrainerActor:
     async def _spawn_ranks(self, secret: bytes) -> None:
         assert self._tg is not None
         host, port = self._listener.address
-        threads = max(1, (os.cpu_count() or 1) // self._world)
+        threads = self.cfg.trainer_num_threads or max(
+            1, ((os.cpu_count() or 1) - self._engine_threads) // self._world
+        )
         base = {
             **os.environ,
             "WORLD_SIZE": str(self._world),
@@ -188,8 +203,14 @@ class TrainerActor:
         self._dp_size = int(replies[0].header["dp_size"])
         self._device = str(replies[0].header["device"])
         self.wrapper = str(replies[0].header["wrapper"])
+        self.threads = int(replies[0].header["threads"])
         log.info(
-            "trainer: ready", world=self._world, dp=self._dp_size, wrapper=self.wrapper, device=self._device
+            "trainer: ready",
+            world=self._world,
+            dp=self._dp_size,
+            wrapper=self.wrapper,
+            device=self._device,
+            threads=self.threads,
         )
 
     async def aclose(self) -> None:

@@ -67,6 +67,11 @@ class TrainConfig:
     trainer_port: int = opt(0, "Port the controller listens on for trainer ranks (0: any free port).")
     trainer_connect_timeout_s: float = opt(600.0, "How long to wait for every rank to connect and load.")
     dist_timeout_s: float = opt(600.0, "torch.distributed collective timeout inside the trainer ranks.")
+    trainer_num_threads: int = opt(
+        0,
+        "torch threads per CPU trainer rank (0: the cores the embedded engines leave free, split over the "
+        "ranks; oversubscribed cores make both several times slower).",
+    )
 
     # -- batch arithmetic ------------------------------------------------------------------------------
     global_batch_size: int | None = opt(
@@ -177,6 +182,7 @@ class TrainConfig:
             f"must be > 0, got {self.eps_clip_high}",
         )
         _require(0 <= self.trainer_port < 65536, "trainer_port", f"must be a port, got {self.trainer_port}")
+        _require(self.trainer_num_threads >= 0, "trainer_num_threads", "must be >= 0 (0: automatic)")
         if self.tis_clip <= self.tis_clip_low:
             raise ConfigError(
                 f"the TIS clamp is empty: [{self.tis_clip_low}, {self.tis_clip}]",

@@ -210,6 +210,7 @@ class RankWorker:
             "dp_size": be.dp_size,
             "wrapper": be.wrapper,
             "device": str(self.device),
+            "threads": torch.get_num_threads(),
         }
 
     def handle(self, msg: Message) -> Reply:
