@@ -125,6 +125,28 @@ def test_quickstart_end_to_end(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(300)
+def test_quickstart_with_a_dedicated_eval_engine(tmp_path: Path) -> None:
+    """Eval mode 2 through the recipe: an eval engine launched from the recipe's model, loading an
+    exported snapshot per point; every point has its own line in eval_points.jsonl."""
+    run_dir, snaps = tmp_path / "run", tmp_path / "snaps"
+    proc = run(
+        "recipes.quickstart",
+        *("--num-rollout", "3", "--eval-interval", "1", "--run-dir", str(run_dir)),
+        *("--warm-start-accuracy", "0.0", "--rollout-batch-size", "8"),
+        *("--global-batch-size", "64", "--micro-batch-size", "64"),
+        *("--eval-num-gpus", "1", "--eval-hf-dir", str(snaps), "--eval-keep-snapshots", "1"),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    points = [json.loads(x) for x in (run_dir / "eval_points.jsonl").read_text().splitlines()]
+    assert [p["eval/step"] for p in points] == [0.0, 1.0, 2.0, 3.0]
+    for p in points:
+        assert p["step"] == p["eval/step"]
+        assert {"eval/lag_steps", "eval/export_time_seconds", "eval/held_out/accuracy"} <= p.keys()
+        assert p["eval/held_out/weight_version/mean"] == p["eval/version"]  # the snapshot's version
+    assert [d.name for d in snaps.iterdir()] == ["step_3"]  # older exports retired
+
+
+@pytest.mark.timeout(300)
 def test_tool_use_trains_two_steps(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = run(
