@@ -9,10 +9,9 @@ template), which the embedded engine serves and the trainer trains — nothing i
 Prompts are chat messages ("What is 47+18? Answer with the number only."); the reward is 1 when the
 last number of the answer is the sum. Same fully async loop as the quickstart, just a real model.
 
-Speed on a 2-core CPU (measured on a shared machine): converting the GGUF takes ~20 s once; a step of
-8 prompts × 4 samples (24 new tokens each) takes 40-60 s — the engine generates ~35 tokens/s at batch 8,
-and the trainer's forward/backward of 135M parameters dominates. Greedy accuracy on 50 held-out
-problems starts around 18%. This recipe shows a real model's behaviour end to end; it is not a
+Speed on a 2-core CPU: converting the GGUF takes ~20 s once; a step of 8 prompts × 4 samples (24 new
+tokens each) takes 33-40 s (the first ~70 s) — the trainer's forward/backward of 135M parameters
+dominates. Greedy accuracy on 50 held-out problems starts around 16-18%. This recipe shows a real model's behaviour end to end; it is not a
 benchmark, and it is not part of CI (only its --dry-run is).
 """
 
