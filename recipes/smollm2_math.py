@@ -11,8 +11,8 @@ last number of the answer is the sum. Same fully async loop as the quickstart, j
 
 Speed on a 2-core CPU: converting the GGUF takes ~20 s once; a step of 8 prompts × 4 samples (24 new
 tokens each) takes 33-40 s (the first ~70 s) — the trainer's forward/backward of 135M parameters
-dominates. Greedy accuracy on 50 held-out problems starts around 16-18%. This recipe shows a real model's behaviour end to end; it is not a
-benchmark, and it is not part of CI (only its --dry-run is).
+dominates. Greedy accuracy on 50 held-out problems starts around 16-18%. This recipe shows a real
+model's behaviour end to end; it is not a benchmark, and it is not part of CI (only its --dry-run is).
 """
 
 from __future__ import annotations
