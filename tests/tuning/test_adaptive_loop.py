@@ -53,7 +53,7 @@ def test_loop_grows_then_shrinks_on_queueing_and_keeps_bounds_consistent(vrun: A
         done = asyncio.Event()
         t0 = asyncio.get_running_loop().time()
         async with asyncio.TaskGroup() as tg:
-            task = tg.create_task(loop_.run(done.wait()))
+            task = tg.create_task(loop_.run(tg.create_task(done.wait())))
             for _ in range(60):  # steady token production, 1 s apart
                 await asyncio.sleep(1.0)
                 tokens += 100

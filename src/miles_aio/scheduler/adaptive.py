@@ -27,7 +27,7 @@ import asyncio
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import structlog
 
@@ -176,16 +176,16 @@ class AdaptiveConcurrency:
         self.memory = AdaptiveMemory()
         self.history: list[tuple[float, int, str]] = []  # (loop time, limit after, reason)
 
-    async def run(self, until: Awaitable[object]) -> None:
-        """Decide every interval until `until` (the worker task) is done; then return."""
+    async def run(self, until: asyncio.Future[Any]) -> None:
+        """Decide every interval until `until` (the worker task, owned by the caller's TaskGroup) is
+        done; then return."""
         loop = asyncio.get_running_loop()
         apply_limit(self.limit, limiter=self._limiter, worker=self._worker)
-        done = asyncio.ensure_future(until)
         t, tokens, retracted = loop.time(), self._tokens(), self._retracted()
         blocked = self._worker.blocked_seconds(t).get("capacity", 0.0)
         self.history.append((t, self.limit, "start"))
         while True:
-            finished, _ = await asyncio.wait([done], timeout=self.interval_s)
+            finished, _ = await asyncio.wait([until], timeout=self.interval_s)
             if finished:
                 return
             now = loop.time()
@@ -223,7 +223,7 @@ def load_sampler(engine: object) -> Callable[[], Awaitable[EngineLoad | None]]:
     return sample
 
 
-async def run_adaptive(controller: Controller, worker_task: Awaitable[object]) -> None:
+async def run_adaptive(controller: Controller, worker_task: asyncio.Future[Any]) -> None:
     """The controller's adaptive-concurrency task: returns at once unless `auto`, else runs the loop."""
     s = controller.cfg.scheduler
     if not s.adaptive:
