@@ -169,6 +169,7 @@ class Controller:
             source=source,
             accounting=self.accounting,
         )
+        self.worker.consumed_hooks.append(self.fates.forget)
 
     # -- the run ---------------------------------------------------------------------------------------
     async def run(self) -> RunSummary:

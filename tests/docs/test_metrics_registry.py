@@ -162,7 +162,7 @@ def test_registry_names_are_unique_and_match_themselves() -> None:
 
 
 def test_an_unknown_metric_is_warned_about_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(registry, "_warned", set())
+    monkeypatch.setattr(registry, "_checked", set())
     with structlog.testing.capture_logs() as logs:
         registry.check_metrics({"rollout/reward": 1.0, "rollout/made_up": 2.0})
         registry.check_metrics({"rollout/made_up": 3.0})

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from miles_aio.models.tiny import build_tiny_llama
+from miles_aio.trainer.config import TrainConfig
 from miles_aio.types import Group, Sample, Status
 
 T = TypeVar("T")
@@ -75,3 +76,16 @@ def children_of(pid: int) -> list[int]:
             if int(fields[1]) == pid and fields[0] != "Z":
                 out.append(int(entry))
     return out
+
+
+def train_cfg(model_dir: Path, **kw: object) -> TrainConfig:
+    """The small CPU training config the actor tests share (TIS on, 2 optimizer steps per train)."""
+    base: dict[str, object] = {
+        "hf_checkpoint": model_dir,
+        "lr": 1e-3,
+        "use_tis": True,
+        "micro_batch_size": 2,
+        "global_batch_size": 4,
+        "clip_grad": 1.0,
+    }
+    return TrainConfig(**(base | kw))  # type: ignore[arg-type]

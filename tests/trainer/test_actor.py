@@ -19,20 +19,9 @@ import torch
 from miles_aio.trainer.actor import TrainerActor, TrainerRankError
 from miles_aio.trainer.config import TrainConfig
 from tests.trainer.helpers import alive, children_of, make_batch, run
+from tests.trainer.helpers import train_cfg as _cfg
 
 pytestmark = [pytest.mark.slow]
-
-
-def _cfg(model_dir: Path, **kw: object) -> TrainConfig:
-    base: dict[str, object] = {
-        "hf_checkpoint": model_dir,
-        "lr": 1e-3,
-        "use_tis": True,
-        "micro_batch_size": 2,
-        "global_batch_size": 4,
-        "clip_grad": 1.0,
-    }
-    return TrainConfig(**(base | kw))  # type: ignore[arg-type]
 
 
 async def _train(cfg: TrainConfig, run_dir: Path, steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:

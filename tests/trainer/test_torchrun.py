@@ -21,6 +21,7 @@ from miles_aio.trainer.actor import TrainerActor
 from miles_aio.trainer.config import TrainConfig
 from miles_aio.trainer.rank_main import CONTROLLER_ENV
 from tests.trainer.helpers import make_batch, run
+from tests.trainer.helpers import train_cfg as _cfg
 
 pytestmark = [pytest.mark.slow]
 
@@ -29,18 +30,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _cfg(model_dir: Path, **kw: object) -> TrainConfig:
-    base: dict[str, object] = {
-        "hf_checkpoint": model_dir,
-        "lr": 1e-3,
-        "use_tis": True,
-        "micro_batch_size": 2,
-        "global_batch_size": 4,
-        "clip_grad": 1.0,
-    }
-    return TrainConfig(**(base | kw))  # type: ignore[arg-type]
 
 
 async def _one_step(

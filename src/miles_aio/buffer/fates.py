@@ -9,7 +9,7 @@ easy or hopeless prompt).
 Either way the scheduler stops counting the group, the ledger records its fate and its tokens are
 counted as wasted. A group recycled `--max-group-recycles` times is dropped instead (reason
 "<why>, recycled N times"): a prompt the engines keep failing on must not circulate forever. The count
-lives in memory: a resumed run starts counting again.
+lives in memory until the group is trained (`forget`); a resumed run starts counting again.
 """
 
 from __future__ import annotations
@@ -62,6 +62,10 @@ class GroupFates:
             self._source.recycle(item.prompt_group)
         else:
             self._ledger.record("dropped", gid, reason=reason)
+
+    def forget(self, gid: int) -> None:
+        """The group was consumed for training: its recycle count is done with."""
+        self._recycled.pop(gid, None)
 
     def on_filtered(self, item: BufferItem, reason: str) -> None:
         self._discard(item.group_index)

@@ -214,12 +214,13 @@ def unknown_metrics(keys: Iterable[str]) -> list[str]:
     return sorted(k for k in keys if k != "step" and lookup(k) is None)
 
 
-_warned: set[str] = set()
+_checked: set[str] = set()  # names already matched (or warned about): each is looked up once
 
 
 def check_metrics(metrics: dict[str, float]) -> None:
-    """Log a warning, once per name and process, for each metric the registry does not know."""
-    for key in unknown_metrics(metrics):
-        if key not in _warned:
-            _warned.add(key)
-            log.warning("unregistered metric", metric=key, registry="miles_aio.observability.registry")
+    """Log a warning, once per name and process, for each metric the registry does not know. Runs on
+    every step record, so a name is matched against the registry's patterns only the first time."""
+    new = [k for k in metrics if k not in _checked]
+    for key in unknown_metrics(new):
+        log.warning("unregistered metric", metric=key, registry="miles_aio.observability.registry")
+    _checked.update(new)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import replace
 from typing import NoReturn
 
@@ -63,6 +64,7 @@ class RolloutWorker:
         self._blocked_s: defaultdict[str, float] = defaultdict(float)
         self._blocked_since: tuple[str, float] | None = None
         self.finished_groups = 0
+        self.consumed_hooks: list[Callable[[int], None]] = []  # told of every group the driver consumed
 
     # -- the loops ------------------------------------------------------------------------------------
     async def run(self) -> NoReturn:
@@ -107,6 +109,8 @@ class RolloutWorker:
     # -- what the driver and the buffer callbacks tell the worker ------------------------------------
     def on_consumed(self, gid: int) -> None:
         self.state.on_consumed(gid)
+        for hook in self.consumed_hooks:
+            hook(gid)
         self._changed.notify()
 
     def on_discarded(self, gid: int) -> None:
