@@ -48,7 +48,7 @@ __all__ = ["MegatronBackend"]
 
 
 class MegatronBackend:
-    """The `rank_main.ModelBackend` over megatron-core."""
+    """The `backend.ModelBackend` over megatron-core."""
 
     optim_sharded = True  # each rank saves its own optimizer shard
 

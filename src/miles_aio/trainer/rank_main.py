@@ -28,150 +28,27 @@ import socket
 import sys
 import time
 import traceback
-from contextlib import AbstractContextManager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from miles_aio.trainer import losses, protocol
+from miles_aio.trainer.backend import HFBackend, ModelBackend
 from miles_aio.trainer.channel import BlockingChannel, connect
 from miles_aio.trainer.config import TrainConfig
 from miles_aio.trainer.protocol import Message
 
-__all__ = ["HFBackend", "ModelBackend", "RankWorker", "main"]
+__all__ = ["RankWorker", "main"]
 
 CONTROLLER_ENV = "MILES_AIO_CONTROLLER_ADDR"
 PARENT_ENV = "MILES_AIO_PARENT_PID"
 THREADS_ENV = "MILES_AIO_RANK_THREADS"
 Reply = tuple[dict[str, Any], dict[str, torch.Tensor]]
 """A command's reply: header fields and tensors."""
-
-
-class ModelBackend(Protocol):
-    """What a training backend gives the command loop (HF under FSDP2/DDP here; megatron-core in
-    `megatron_backend`). Tensor names are always HF names, so sync and checkpoints are backend-free.
-    A backend with a non-None `pipeline` (megatron PP: `megatron_pp.MegatronPipeline`) has it run the
-    forwards, backwards and log-probs instead of `logits` / `no_sync`."""
-
-    wrapper: str
-    dp_rank: int
-    dp_size: int
-    dp_group: dist.ProcessGroup | None
-    optimizer: torch.optim.Optimizer
-    hf_source: Path
-
-    def logits(self, mb: losses.MicroBatch) -> torch.Tensor: ...
-    def ref_logits(self, mb: losses.MicroBatch) -> torch.Tensor: ...
-    def no_sync(self, skip: bool) -> AbstractContextManager[None]: ...
-    def clip_grad(self, max_norm: float) -> float: ...
-    def weight_meta(self) -> list[tuple[str, torch.dtype, list[int]]]: ...
-    def hf_tensors(self, names: list[str]) -> dict[str, torch.Tensor]: ...
-    def load_hf_tensors(self, tensors: dict[str, torch.Tensor]) -> None: ...
-    def optim_state(self) -> dict[str, Any]: ...
-    def load_optim_state(self, state: dict[str, Any]) -> None: ...
-
-
-class HFBackend:
-    """transformers' AutoModelForCausalLM under FSDP2 `fully_shard` (world > 1 by default), DDP, or bare."""
-
-    def __init__(self, cfg: TrainConfig, *, device: torch.device, world: int) -> None:
-        from torch.distributed.checkpoint import state_dict as dcp_sd
-        from transformers import AutoModelForCausalLM
-
-        self._dcp = dcp_sd
-        assert cfg.hf_checkpoint is not None
-        self.hf_source = cfg.hf_checkpoint
-        dtype = torch.float32  # fp32 master weights; on GPU the forward runs under bf16 autocast
-        module: Any = AutoModelForCausalLM.from_pretrained(str(cfg.hf_checkpoint), dtype=dtype)
-        module.to(device)
-        module.config.use_cache = False
-        self.module, self.device = module, device
-        self.dp_rank, self.dp_size = dist.get_rank(), world
-        self.dp_group: dist.ProcessGroup | None = None
-        self.tied = bool(getattr(module.config, "tie_word_embeddings", False))
-        self.wrapper: str = cfg.fsdp_wrap if cfg.fsdp_wrap != "auto" else ("fsdp2" if world > 1 else "none")
-        self.model: torch.nn.Module = module
-        if self.wrapper == "fsdp2":
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
-
-            mesh = init_device_mesh(device.type, (world,))
-            for layer in module.model.layers:  # one all-gather per decoder layer, as FSDP2 recommends
-                fully_shard(layer, mesh=mesh)
-            fully_shard(module, mesh=mesh)
-        elif self.wrapper == "ddp":
-            # No buffer broadcast: a forward then issues no collective, so only the synced backward of
-            # each optimizer step has to line up across ranks.
-            self.model = torch.nn.parallel.DistributedDataParallel(
-                module, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False
-            )
-        betas = (cfg.adam_beta1, cfg.adam_beta2)
-        self.optimizer: torch.optim.Optimizer = torch.optim.AdamW(
-            module.parameters(), lr=cfg.lr, betas=betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay
-        )
-        self.ref: Any = None
-        if cfg.use_kl_loss:  # frozen initial policy, full copy per rank (only loaded when the KL is on)
-            self.ref = AutoModelForCausalLM.from_pretrained(str(cfg.hf_checkpoint), dtype=dtype)
-            self.ref.to(device).requires_grad_(False).eval()
-        self._names = [n for n, _ in module.named_parameters()]
-
-    def _forward(self, model: torch.nn.Module, mb: losses.MicroBatch) -> torch.Tensor:
-        cuda = self.device.type == "cuda"
-        with torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext():
-            out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask)
-        logits: torch.Tensor = out.logits
-        return logits[:, :-1]
-
-    def logits(self, mb: losses.MicroBatch) -> torch.Tensor:
-        return self._forward(self.model, mb)
-
-    def ref_logits(self, mb: losses.MicroBatch) -> torch.Tensor:
-        assert self.ref is not None
-        return self._forward(self.ref, mb)
-
-    def no_sync(self, skip: bool) -> AbstractContextManager[None]:
-        if skip and isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
-            return self.model.no_sync()
-        return contextlib.nullcontext()
-
-    def clip_grad(self, max_norm: float) -> float:
-        norm = torch.nn.utils.clip_grad_norm_(
-            self.module.parameters(), max_norm if max_norm > 0 else float("inf")
-        )
-        full = getattr(norm, "full_tensor", None)  # a DTensor under FSDP2
-        return float(full() if full is not None else norm)
-
-    def weight_meta(self) -> list[tuple[str, torch.dtype, list[int]]]:
-        params = dict(self.module.named_parameters())  # DTensor shapes are the global shapes
-        return [(n, params[n].dtype, list(params[n].shape)) for n in self._names]
-
-    def hf_tensors(self, names: list[str]) -> dict[str, torch.Tensor]:
-        params = dict(self.module.named_parameters())
-        out: dict[str, torch.Tensor] = {}
-        for name in names:
-            p = params[name].detach()
-            full = getattr(p, "full_tensor", None)
-            out[name] = (full() if full is not None else p).to("cpu")  # collective under FSDP2
-        return out
-
-    def load_hf_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        sd: dict[str, Any] = dict(tensors)
-        if self.tied and "lm_head.weight" not in sd:  # tied checkpoints store the shared matrix once
-            sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
-        opts = self._dcp.StateDictOptions(full_state_dict=True)
-        self._dcp.set_model_state_dict(self.module, sd, options=opts)
-
-    def optim_state(self) -> dict[str, Any]:
-        opts = self._dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return dict(self._dcp.get_optimizer_state_dict(self.module, self.optimizer, options=opts))
-
-    def load_optim_state(self, state: dict[str, Any]) -> None:
-        opts = self._dcp.StateDictOptions(full_state_dict=True)
-        self._dcp.set_optimizer_state_dict(self.module, self.optimizer, state, options=opts)
 
 
 class RankWorker:
