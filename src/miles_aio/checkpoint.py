@@ -65,6 +65,11 @@ def write_controller_state(save_dir: Path, state: ControllerState) -> Path:
     return directory
 
 
+def has_checkpoint(load: Path) -> bool:
+    """Whether `--load` names a step directory or a save directory with a `latest` step."""
+    return (load / STATE_FILE).is_file() or (load / "latest").is_file()
+
+
 def latest_checkpoint(load: Path) -> Path:
     """`--load` may name a save directory (its `latest` step is used) or one step directory."""
     if (load / STATE_FILE).is_file():

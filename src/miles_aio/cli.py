@@ -92,7 +92,7 @@ def build_parser(
 ) -> argparse.ArgumentParser:
     """A parser for every RunConfig flag. `defaults` (by field name) override the dataclass defaults."""
     defaults = dict(defaults or {})
-    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False)
     parser.add_argument(
         "--run-dir",
         type=Path,

@@ -9,7 +9,6 @@ the CLI turns that into exit code 2 before any process starts.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any, Final, Literal
 
 from miles_aio._fields import flag, opt
 from miles_aio.errors import ConfigError
+from miles_aio.observability.config import ObservabilityConfig
 from miles_aio.trainer.config import TrainConfig, check_batch_arithmetic, check_off_policy_correction
 
 __all__ = [
@@ -82,6 +82,12 @@ class RolloutConfig:
     rollout_top_p: float = opt(1.0, "Nucleus sampling threshold.")
     rollout_top_k: int = opt(-1, "Top-k sampling (-1: off).")
     rollout_stop_token_ids: tuple[int, ...] = opt((), "Extra token ids that end a response.")
+    rollout_stop: tuple[str, ...] = opt(
+        (), "Stop strings that end a response (kept in the response text, as miles sends no_stop_trim)."
+    )
+    rollout_skip_special_tokens: bool = opt(
+        False, "Drop special tokens (e.g. the EOS text) from the response text (miles' default: kept)."
+    )
     custom_generate_function_path: str = opt(
         "miles_aio.rollout.single_turn:generate",
         "Rollout coroutine `async def generate(ctx, sample, sampling_params) -> Sample | list[Sample]`.",
@@ -242,7 +248,7 @@ class DriverConfig:
     save: Path | None = opt(None, "Checkpoint directory.")
     save_interval: int | None = opt(None, "Save a checkpoint every N steps (needs --save).")
     load: Path | None = opt(None, "Resume from this checkpoint directory.")
-    eval_interval: int | None = opt(None, "Evaluate every N steps.")
+    eval_interval: int | None = opt(None, "Evaluate every N steps, and after the last step.")
     stall_warning_s: float = opt(30.0, "Log a warning when the drain waits this long without a group.")
 
     def __post_init__(self) -> None:
@@ -372,50 +378,6 @@ class EvalConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class ObservabilityConfig:
-    """Timeline trace, wandb and miles' logging hooks (`miles_aio.observability`)."""
-
-    trace: str = opt(
-        "trace.json",
-        "Chrome/Perfetto timeline trace; a relative path is under --run-dir; '' writes no trace.",
-        metavar="PATH",
-    )
-    trace_max_events: int = opt(
-        500_000, "Events the trace keeps (held in memory until the end); later ones are counted, not kept."
-    )
-    use_wandb: bool = opt(False, "Also log metrics to wandb (offline unless an API key is configured).")
-    wandb_project: str | None = opt(None, "wandb project (default: miles_aio).")
-    wandb_group: str | None = opt(None, "wandb group of the run.")
-    wandb_run_name: str | None = opt(None, "wandb run name (default: the --run-dir name).")
-    wandb_mode: Literal["auto", "online", "offline", "disabled"] = opt(
-        "auto", "wandb mode; auto: $WANDB_MODE, else online with an API key, else offline."
-    )
-    custom_rollout_log_function_path: str | None = opt(
-        None,
-        "`log_rollout_data(rollout_id, args, samples, rollout_extra_metrics, rollout_time) -> bool`, "
-        "called once per step; True skips the default logging of that step.",
-        metavar="PKG.MOD:ATTR",
-    )
-    custom_eval_rollout_log_function_path: str | None = opt(
-        None,
-        "`log_eval_rollout_data(rollout_id, args, data, extra_metrics) -> bool`, called once per eval "
-        "point; True skips the default logging of that point.",
-        metavar="PKG.MOD:ATTR",
-    )
-
-    def __post_init__(self) -> None:
-        if self.trace_max_events < 0:
-            raise ConfigError(f"must be >= 0, got {self.trace_max_events}", flags=["--trace-max-events"])
-        named = [n for n in ("wandb_project", "wandb_group", "wandb_run_name") if getattr(self, n)]
-        if named and not self.use_wandb:
-            raise ConfigError("needs --use-wandb", flags=[*map(flag, named), "--use-wandb"])
-        if self.use_wandb and importlib.util.find_spec("wandb") is None:
-            raise ConfigError(
-                "wandb is not installed (pip install 'miles_aio[wandb]')", flags=["--use-wandb"]
-            )
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
 class RunConfig:
     """A whole run. Cross-component rules live in `__post_init__`."""
 
@@ -446,6 +408,15 @@ class RunConfig:
             )
         samples_per_step = self.rollout.rollout_batch_size * n
         check_batch_arithmetic(self.train, samples_per_step)
+        t = self.train
+        if t.lr_decay_style != "constant" and t.lr_decay_iters is None:  # Megatron: decay over the run
+            total = self.driver.num_rollout * t.optimizer_steps(samples_per_step)
+            if total <= t.lr_warmup_iters:
+                raise ConfigError(
+                    f"the run's {total} optimizer steps end before the {t.lr_warmup_iters}-step warmup",
+                    flags=["--lr-warmup-iters", "--num-rollout", "--lr-decay-style"],
+                )
+            object.__setattr__(self, "train", dataclasses.replace(t, lr_decay_iters=total))
         check_off_policy_correction(self.train, fully_async=True)
         if self.buffer_capacity_groups < 1:
             raise ConfigError(

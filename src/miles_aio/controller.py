@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
@@ -47,7 +46,7 @@ from miles_aio.config import RunConfig
 from miles_aio.data.source import DataSource, PromptRecord
 from miles_aio.errors import BufferClosed, RolloutWorkerDied, primary_error
 from miles_aio.eval.build import build_eval_dispatcher
-from miles_aio.eval.dispatcher import EvalPoints, EvalReport
+from miles_aio.eval.dispatcher import EvalPoints
 from miles_aio.eval.snapshots import save_hf_checkpoint
 from miles_aio.inference.base import InferenceEngine
 from miles_aio.ledger import Ledger
@@ -62,20 +61,11 @@ from miles_aio.scheduler.adaptive import run_adaptive
 from miles_aio.scheduler.policy import AdmissionLimits, DrainSchedule
 from miles_aio.scheduler.worker import RolloutWorker
 from miles_aio.trainer.base import Trainer
+from miles_aio.types import RunSummary
 
 __all__ = ["Controller", "RunSummary"]
 
 log = structlog.get_logger("miles_aio.controller")
-
-
-@dataclass(slots=True)
-class RunSummary:
-    steps: int = 0
-    version: int | None = None
-    wall_s: float = 0.0
-    step_times_s: list[float] = field(default_factory=list)
-    last_metrics: dict[str, float] = field(default_factory=dict)
-    ledger_counts: dict[str, int] = field(default_factory=dict)
 
 
 class Controller:
@@ -108,6 +98,8 @@ class Controller:
         self._carry: list[BufferItem] = []  # drained before a checkpoint, not yet trained: consumed first
         self._next_drain: asyncio.Task[list[BufferItem]] | None = None
         self._draining: list[BufferItem] = []  # groups the current drain has taken so far
+        self._saved_step = -1  # a stop right after a periodic save does not save the same step again
+        self._drained_metrics: dict[int, dict[str, float]] = {}  # buffer window of each step's drain
         self._stop = asyncio.Event()
         ledger_path = cfg.run_dir / "ledger.jsonl" if write_files else None
         self.ledger = Ledger(ledger_path, dataset_size=source.dataset_size)
@@ -152,7 +144,7 @@ class Controller:
         self.accounting = StepAccounting(
             blocked_seconds=self.worker.blocked_seconds, generated_tokens=lambda: self.engine.generated_tokens
         )
-        self.evals = evals or build_eval_dispatcher(
+        self.evals: EvalPoints = evals or build_eval_dispatcher(
             cfg,
             controller_ctx=self.ctx,
             plugins=plugins,
@@ -181,7 +173,7 @@ class Controller:
                     await self._restore(self.cfg.driver.load)
                 # version 1 on a fresh run; a resumed run re-stamps the checkpoint weights with their version
                 await self._push_weights(self.version or 1)
-                if self.start_step == 0 and self.evals is not None and self.evals.due(0):
+                if self.start_step == 0 and self.evals.due(0):
                     self.evals.dispatch(tg, steps_done=0, version=1)
                     self.obs.eval_dispatched(0)
                 worker = tg.create_task(self._supervise_worker(), name="rollout-worker")
@@ -202,7 +194,7 @@ class Controller:
         return summary
 
     async def _step_loop(self, tg: asyncio.TaskGroup, summary: RunSummary) -> None:
-        cfg, loop = self.cfg.driver, asyncio.get_running_loop()
+        cfg, loop, wait_eval = self.cfg.driver, asyncio.get_running_loop(), self.evals.wait_before_push
         n, first = cfg.num_rollout, self.start_step
         self._next_drain = tg.create_task(self._drain(first), name=f"drain-{first}") if first < n else None
         for step in range(first, n):
@@ -233,18 +225,18 @@ class Controller:
                         await self._stop_now(step)
                         return
                     wait_data += loop.time() - t_wait
-                eval_s += await self._wait_eval(done)  # an eval point sees one version too
+                eval_s += await wait_eval(steps_done=done)  # an eval point sees one version too
                 t_sync = loop.time()
                 await self._push_weights((self.version or 0) + 1)
                 sync_s = loop.time() - t_sync
             if cfg.save_interval and cfg.save and (done % cfg.save_interval == 0 or done == n):
                 await self.save(step)
-            if self.evals is not None and self.evals.due(done):
-                eval_s += await self._wait_eval(done)
+            if self.evals.due(done):
+                eval_s += await wait_eval(steps_done=done)
                 self.evals.dispatch(tg, steps_done=done, version=self.version or 0)
                 self.obs.eval_dispatched(done)
             if done == n:
-                eval_s += await self._wait_eval(done)  # the last point lands in the last record
+                eval_s += await wait_eval(steps_done=done)  # the last point lands in the last record
             times = StepTimes(
                 step_s=loop.time() - t_step,
                 wait_data_s=wait_data,
@@ -252,12 +244,17 @@ class Controller:
                 weight_sync_s=sync_s,
                 eval_s=eval_s,
             )
-            metrics |= self.buffer.get_metrics() | self.accounting.step_metrics(
+            metrics |= self._drained_metrics.pop(step) | self.accounting.step_metrics(
                 times, now=loop.time(), trained_tokens=int(metrics["rollout/tokens"])
             )
-            evaled = self.evals.collect() if self.evals is not None else EvalReport()
             metrics = await self.obs.end_step(
-                step, groups, metrics, evals=evaled, times=times, start=t_step, train_start=t_train
+                step,
+                groups,
+                metrics,
+                evals=self.evals.collect(),
+                times=times,
+                start=t_step,
+                train_start=t_train,
             )
             summary.steps, summary.last_metrics = step + 1, metrics
             summary.step_times_s.append(times.step_s)
@@ -285,11 +282,8 @@ class Controller:
 
     async def _stop_now(self, last_step: int) -> None:
         self.stopped = True
-        if self.cfg.driver.save is not None and last_step >= 0:
+        if self.cfg.driver.save is not None and last_step >= 0 and last_step != self._saved_step:
             await self.save(last_step)
-
-    async def _wait_eval(self, steps_done: int) -> float:
-        return 0.0 if self.evals is None else await self.evals.wait_before_push(steps_done=steps_done)
 
     async def _supervise_worker(self) -> None:
         """Run the worker; keep its error for the drain (loud, with the original traceback)."""
@@ -329,6 +323,7 @@ class Controller:
             self.worker.on_consumed(item.group_index)
             batch.append(item)
         self._draining = []
+        self._drained_metrics[step] = self.buffer.get_metrics()  # consumed staleness etc. of this batch
         return sorted(batch, key=lambda it: min(s.index for s in it.group))
 
     def _raise_if_worker_died(self, step: int) -> None:
@@ -378,6 +373,7 @@ class Controller:
         )
         write_controller_state(self.cfg.driver.save, state)
         self.ledger.checkpoint(step)
+        self._saved_step = step
         log.info("saved checkpoint", step=step, path=str(directory))
 
     async def _restore(self, load: Path) -> None:

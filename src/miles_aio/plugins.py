@@ -75,12 +75,25 @@ def resolve_plugins(cfg: RunConfig) -> Plugins:
                 f"{cfg.buffer.custom_async_data_buffer_path!r} is not a DataBuffer subclass",
                 flags=["--custom-async-data-buffer-path"],
             )
+        if inspect.isabstract(buffer_cls):  # found now, not when the controller builds it mid-start-up
+            missing = ", ".join(sorted(buffer_cls.__abstractmethods__))
+            raise ConfigError(
+                f"{cfg.buffer.custom_async_data_buffer_path!r} does not implement {missing} "
+                "(every abstract method of miles_aio.buffer.DataBuffer is needed)",
+                flags=["--custom-async-data-buffer-path"],
+            )
     filter_fn = None
     if r.dynamic_sampling_filter_path:
         filter_fn = load(r.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path", coroutine=False)
         if not callable(filter_fn):
             raise ConfigError(
                 f"{r.dynamic_sampling_filter_path!r} is not callable",
+                flags=["--dynamic-sampling-filter-path"],
+            )
+        if inspect.iscoroutinefunction(filter_fn):  # its coroutine would be truthy: every group kept
+            raise ConfigError(
+                f"{r.dynamic_sampling_filter_path!r} is a coroutine function; a dynamic filter is a plain "
+                "function fn(ctx, group) -> bool | (keep, reason) (await in the reward function instead)",
                 flags=["--dynamic-sampling-filter-path"],
             )
     return Plugins(

@@ -22,6 +22,7 @@ from typing import Any, cast
 
 import structlog
 
+from miles_aio.checkpoint import has_checkpoint, latest_checkpoint
 from miles_aio.cli import build_parser, config_error_exit, config_from_namespace
 from miles_aio.config import RunConfig
 from miles_aio.controller import Controller, RunSummary
@@ -30,6 +31,7 @@ from miles_aio.errors import ConfigError
 from miles_aio.eval.external import eval_fn_class
 from miles_aio.eval.fleet import open_eval_engines
 from miles_aio.inference.base import InferenceEngine
+from miles_aio.inference.engines import check_in_place_prefix_cache
 from miles_aio.logs import configure_logging
 from miles_aio.observability.hooks import resolve_log_hooks
 from miles_aio.observability.progress import ProgressSink
@@ -195,6 +197,11 @@ def describe_plan(cfg: RunConfig, recipe: Recipe, ns: argparse.Namespace, n_prom
             "unused_handler": b.async_unused_samples_handler,
         },
         "weights": {"update_interval": d.update_weights_interval, "pause_mode": d.pause_generation_mode},
+        "checkpoints": {
+            "save": None if d.save is None else str(d.save),
+            "save_interval": d.save_interval,
+            "load": None if d.load is None else str(latest_checkpoint(d.load)),
+        },
         "observability": {
             "trace": str(cfg.run_dir / o.trace) if o.trace else None,
             "wandb": wandb_mode(o.wandb_mode) if o.use_wandb else None,
@@ -216,6 +223,7 @@ def main(recipe: Recipe, argv: Sequence[str] | None = None) -> RunSummary | None
         ns.save = run_dir / "checkpoints"
     try:
         cfg = config_from_namespace(ns, run_dir=run_dir)
+        check_in_place_prefix_cache(cfg, ns.sglang_args)
         plugins = resolve_plugins(cfg)
         resolve_log_hooks(cfg)  # a bad --custom-*-log-function-path exits 2 before anything starts
         if cfg.eval.eval_function_path:
@@ -225,6 +233,10 @@ def main(recipe: Recipe, argv: Sequence[str] | None = None) -> RunSummary | None
     except ConfigError as e:
         config_error_exit(parser, e)
     configure_logging(ns.log_format, ns.log_level)
+    if cfg.driver.load is not None and not has_checkpoint(cfg.driver.load):
+        # miles (Megatron) semantics, so `--load X --save X` works on the first run too
+        log.warning("no checkpoint under --load: starting fresh", load=str(cfg.driver.load))
+        cfg = cfg.replace(driver=dataclasses.replace(cfg.driver, load=None))
     if ns.dry_run:
         plan = describe_plan(cfg, recipe, ns, len(records))
         plan["eval"] = {name: len(recs) for name, recs in eval_datasets.items()} | {
@@ -235,7 +247,10 @@ def main(recipe: Recipe, argv: Sequence[str] | None = None) -> RunSummary | None
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     if recipe.prepare is not None:
         recipe.prepare(cfg, ns)
-    return asyncio.run(_run(recipe, cfg, ns, plugins, records, eval_datasets))
+    try:
+        return asyncio.run(_run(recipe, cfg, ns, plugins, records, eval_datasets))
+    except ConfigError as e:  # found once engines answer (e.g. what servers given by URL run with)
+        config_error_exit(parser, e)
 
 
 async def _run(
@@ -253,30 +268,33 @@ async def _run(
         seed=cfg.data.rollout_seed,
         shuffle=cfg.data.rollout_shuffle,
     )
-    async with (
-        recipe.build(cfg, ns) as parts,
-        open_eval_engines(
-            cfg, model_path=parts.model_path, trainer=parts.trainer, sglang_args=ns.eval_sglang_args
-        ) as eval_engine,
-    ):
-        controller = Controller(
-            cfg,
-            engine=parts.engine,
-            trainer=parts.trainer,
-            source=source,
-            plugins=plugins,
-            tokenizer=parts.tokenizer,
-            num_engines=parts.num_engines,
-            sinks=[ProgressSink(cfg.driver.num_rollout)],
-            eval_datasets=eval_datasets,
-            eval_engine=eval_engine,
-        )
-        signals = _stop_on_signals(controller)
-        try:
-            summary = await controller.run()
-        finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                asyncio.get_running_loop().remove_signal_handler(sig)
+    stopper = _Stopper()  # from here on: a signal while engines start or stop still tears them down
+    try:
+        async with (
+            recipe.build(cfg, ns) as parts,
+            open_eval_engines(
+                cfg, model_path=parts.model_path, trainer=parts.trainer, sglang_args=ns.eval_sglang_args
+            ) as eval_engine,
+        ):
+            controller = Controller(
+                cfg,
+                engine=parts.engine,
+                trainer=parts.trainer,
+                source=source,
+                plugins=plugins,
+                tokenizer=parts.tokenizer,
+                num_engines=parts.num_engines,
+                sinks=[ProgressSink(cfg.driver.num_rollout)],
+                eval_datasets=eval_datasets,
+                eval_engine=eval_engine,
+            )
+            stopper.controller = controller
+            try:
+                summary = await controller.run()
+            finally:
+                stopper.controller = None
+    finally:
+        stopper.remove()
     pngs = plot_run(cfg.run_dir)
     log.info(
         "run finished",
@@ -287,23 +305,30 @@ async def _run(
         ledger=summary.ledger_counts,
         plots=[p.name for p in pngs],
     )
-    if controller.stopped and signals:
-        raise SystemExit(128 + signals[0])  # stopped by a signal: checkpoint saved, children gone
+    if controller.stopped and stopper.received:
+        raise SystemExit(128 + stopper.received[0])  # stopped by a signal: checkpoint saved, children gone
     return summary
 
 
-def _stop_on_signals(controller: Controller) -> list[int]:
-    """SIGINT/SIGTERM: the first asks the controller to stop after its step (saving a checkpoint),
-    a second cancels the run at once. Returns the list the handler records signal numbers in."""
-    loop, task, received = asyncio.get_running_loop(), asyncio.current_task(), []
+class _Stopper:
+    """SIGINT/SIGTERM handlers for a whole run. While the controller runs, the first signal asks it to
+    stop after its step (saving a checkpoint) and a second cancels the run at once; while engines and
+    trainer start or stop, a signal cancels at once (their context managers still stop every process)."""
 
-    def handle(signum: int) -> None:
-        received.append(signum)
-        if len(received) == 1:
-            controller.request_stop()
-        elif task is not None:
-            task.cancel()
+    def __init__(self) -> None:
+        self.loop, self.task = asyncio.get_running_loop(), asyncio.current_task()
+        self.controller: Controller | None = None
+        self.received: list[int] = []
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self.loop.add_signal_handler(sig, self._handle, int(sig))
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, handle, int(sig))
-    return received
+    def _handle(self, signum: int) -> None:
+        self.received.append(signum)
+        if self.controller is not None and len(self.received) == 1:
+            self.controller.request_stop()
+        elif self.task is not None:
+            self.task.cancel()
+
+    def remove(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self.loop.remove_signal_handler(sig)

@@ -21,6 +21,7 @@ __all__ = [
     "FinishReason",
     "GenerateOutput",
     "Group",
+    "RunSummary",
     "Sample",
     "Status",
     "group_oldest_version",
@@ -213,3 +214,16 @@ def group_staleness(group: Sequence[Sample], current_version: int | None) -> int
     if current_version is None or oldest is None:
         return None
     return current_version - oldest
+
+
+@dataclass(slots=True)
+class RunSummary:
+    """What `Controller.run()` returns: steps done, the final policy version, timings, the last step's
+    metrics and the ledger's fate counts."""
+
+    steps: int = 0
+    version: int | None = None
+    wall_s: float = 0.0
+    step_times_s: list[float] = field(default_factory=list)
+    last_metrics: dict[str, float] = field(default_factory=dict)
+    ledger_counts: dict[str, int] = field(default_factory=dict)

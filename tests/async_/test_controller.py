@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import structlog
@@ -15,6 +15,7 @@ from miles_aio.errors import EngineUnavailable, RolloutWorkerDied
 from miles_aio.ledger import check_conservation, read_ledger
 from miles_aio.plugins import resolve_plugins
 from miles_aio.testing import FakeLatencyEngine, FakeTokenizer, FakeTrainer, LogNormalLatency
+from miles_aio.types import group_staleness
 from tests.helpers import make_config, make_source
 
 pytestmark = pytest.mark.timeout(60)
@@ -329,3 +330,41 @@ def test_a_prompt_that_always_fails_is_dropped_after_max_group_recycles(vrun: An
     assert [e["fate"] for e in fates[:4]] == ["recycled", "recycled", "recycled", "dropped"]
     assert fates[3]["reason"] == "aborted, recycled 3 times"
     assert not any(e["fate"] == "trained" for e in events if e["group_id"] in poisoned)
+
+
+class StalenessRecordingBuffer(DefaultDataBuffer):
+    """The default buffer, recording each consumed group's staleness at the moment it was taken."""
+
+    taken: ClassVar[dict[int, int]] = {}
+
+    async def get(self, *, current_version: int | None) -> BufferItem:
+        item = await super().get(current_version=current_version)
+        staleness = group_staleness(item.group, current_version)
+        if staleness is not None:
+            StalenessRecordingBuffer.taken[item.group_index] = staleness
+        return item
+
+
+def test_each_steps_buffer_metrics_describe_the_batch_trained_in_that_step(vrun: Any, tmp_path: Path) -> None:
+    """The consume-time window (avg/max staleness) is cut when a step's drain completes, so step s's
+    record describes batch s, as miles logs it with the batch it drained (not batch s+1, prefetched)."""
+    StalenessRecordingBuffer.taken = {}
+    _, _, _, trainer = run(
+        vrun,
+        tmp_path,
+        num_rollout=8,
+        rollout_batch_size=2,
+        n_samples_per_prompt=2,
+        async_max_concurrent_samples=16,
+        step_time_s=3.0,
+        custom_async_data_buffer_path=f"{__name__}:StalenessRecordingBuffer",
+    )
+    lines = metrics_lines(tmp_path)
+    seen = set()
+    for (step, batch), record in zip(trainer.steps, lines, strict=True):
+        assert record["step"] == step
+        values = [StalenessRecordingBuffer.taken[g[0].group_index] for g in batch]
+        seen.update(values)
+        assert record["rollout/fully_async/max_staleness"] == max(values), step
+        assert record["rollout/fully_async/avg_staleness"] == pytest.approx(sum(values) / len(values)), step
+    assert len(seen) > 1  # the staleness varied across steps: a window off by one step would show

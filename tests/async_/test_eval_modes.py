@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import shutil
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -41,6 +42,9 @@ class FakeExportTrainer(FakeTrainer):
         if int(directory.name.rsplit("_", 1)[1]) in self.fail_at:
             raise OSError("disk full (fake)")
         return directory
+
+    async def remove_hf(self, directory: Path) -> None:
+        shutil.rmtree(directory, ignore_errors=True)  # a fake: tiny, test-only directories
 
 
 class RecordingEval(CheckpointEvalFn):

@@ -88,3 +88,37 @@ def test_shared_engine_eval_keeps_rollout_producing_and_never_mixes_versions(
             assert m["eval/lag_steps"] >= 0
     assert sum(wrapper.finished_during) > 0  # rollout kept producing during eval
     assert any(m["eval/push_wait_seconds"] > 0 for m in lines if "eval/step" in m)  # a push waited
+
+
+class CrashOnSecondPoint:
+    """An eval whose user code raises on its second point."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def evaluate(self) -> dict[str, float]:
+        self.calls += 1
+        if self.calls == 2:
+            raise ValueError("reward function bug")
+        return {"eval/held/accuracy": 0.5}
+
+
+def test_a_crashing_point_is_skipped_and_training_goes_on(vrun: Any, tmp_path: Path) -> None:
+    """As in modes 2 and 3: a crashed point is `eval/skipped_crashed`, not the end of the run."""
+    cfg = make_config(tmp_path / "run", num_rollout=4, eval_interval=2)
+    evals = EvalDispatcher(CrashOnSecondPoint(), interval=2, final_step=4)
+    controller = Controller(
+        cfg,
+        engine=FakeLatencyEngine(LogNormalLatency(1.0, 8.0), tokens_per_s=10, seed=5),
+        trainer=FakeTrainer(step_time_s=1.0),
+        source=make_source(n=2),
+        plugins=resolve_plugins(cfg),
+        tokenizer=FakeTokenizer(),
+        evals=evals,
+    )
+    summary = vrun(controller.run())
+    assert summary.steps == 4
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["eval/step"] for m in lines if "eval/step" in m] == [0.0, 4.0]  # the point at 2 crashed
+    assert [m["step"] for m in lines if "eval/skipped_crashed" in m] == [2]
+    assert sum(m.get("eval/skipped_crashed", 0) for m in lines) == 1

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from miles_aio.controller import Controller
+from miles_aio.inference.base import InferenceEngine
 from miles_aio.ledger import check_conservation, read_ledger
 from miles_aio.plugins import resolve_plugins
 from miles_aio.testing import FakeLatencyEngine, FakeTokenizer, FakeTrainer, LogNormalLatency
@@ -121,3 +122,34 @@ def test_stop_saves_every_pending_group_and_resume_continues(
     ]
     assert len(kept) == len(set(kept)) == 20
     check_conservation(read_ledger(tmp_path / "run" / "ledger.jsonl"))
+
+
+class StopDuringPush(FakeTrainer):
+    """Asks the controller to stop while it pushes `stop_version`; records every save."""
+
+    def __init__(self, stop_version: int) -> None:
+        super().__init__(step_time_s=1.0)
+        self.stop_version = stop_version
+        self.ctl: Controller | None = None
+        self.saves: list[int] = []
+
+    async def sync_weights(self, engine: InferenceEngine, *, version: int) -> None:
+        if version == self.stop_version and self.ctl is not None:
+            self.ctl.request_stop()  # the step's batch is drained by now: the step goes on to its save
+        await super().sync_weights(engine, version=version)
+
+    async def save(self, step: int, directory: Path) -> None:
+        self.saves.append(step)
+        await super().save(step, directory)
+
+
+def test_a_stop_in_a_step_that_saves_anyway_saves_it_once(vrun: Any, tmp_path: Path) -> None:
+    trainer = StopDuringPush(stop_version=4)  # the push after step 2; --save-interval 3 saves step 2
+    ctl = controller(tmp_path, trainer)
+    trainer.ctl = ctl
+    vrun(ctl.run())
+    assert ctl.stopped
+    assert trainer.saves == [2]
+    events = read_ledger(tmp_path / "run" / "ledger.jsonl")
+    assert [e["step"] for e in events if e.get("event") == "checkpoint"] == [2]
+    check_conservation(events)

@@ -33,6 +33,9 @@ MILES_ONLY = {
     "--use-dynamic-batch-size",
     "--custom-tis-function-path",
     "--get-mismatch-metrics",
+    "--custom-reward-post-process-path",
+    "--custom-convert-samples-to-train-data-path",
+    "--optimizer",
 }
 # other tools' flags the docs show in commands
 TOOL_FLAGS = {"--strict", "--no-deps"}

@@ -53,6 +53,9 @@ class FakeHFExportTrainer(FakeTrainer):
         await asyncio.to_thread(shutil.copytree, src, directory, dirs_exist_ok=True)
         return directory
 
+    async def remove_hf(self, directory: Path) -> None:
+        await asyncio.to_thread(shutil.rmtree, directory, True)
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)

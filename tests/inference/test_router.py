@@ -309,6 +309,40 @@ def test_admin_calls_reach_every_engine_and_raise_if_one_fails() -> None:
     asyncio.run(main())
 
 
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("transfer", ["disk", "broadcast"])
+def test_in_place_weight_update_with_frozen_requests_does_not_ask_for_a_flush(transfer: str) -> None:
+    """SGLang refuses to flush while a request frozen in place holds KV, and an update call asking for a
+    flush (its default) then fails: the router's updates leave the flush to the controller."""
+
+    async def main() -> None:
+        async with (
+            stubs(1, token_latency_s=0.01) as servers,
+            EngineRouter.open([s.url for s in servers], policy=FAST) as router,
+        ):
+            async with asyncio.TaskGroup() as tg:
+                request = tg.create_task(
+                    router.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 50})
+                )
+                await servers[0].wait_in_flight(1)
+                await router.pause_generation("in_place")
+                with pytest.raises(EngineError, match="flush_cache"):
+                    await router.flush_cache()  # the stub refuses, as SGLang does
+                if transfer == "disk":
+                    await router.update_weights_from_disk("/ckpt/2", version=2)
+                else:
+                    await router.update_weights_from_distributed(
+                        names=["w"], dtypes=["float32"], shapes=[[1]], version=2
+                    )
+                await router.update_weight_version(2)
+                await router.continue_generation()
+            out = request.result()
+            assert len(out.output_ids) == 50  # the frozen request resumed and finished
+            assert out.weight_versions[-1] == 2  # its last tokens came from the new weights
+
+    asyncio.run(main())
+
+
 @pytest.mark.timeout(20)
 def test_restarted_engine_gets_the_last_disk_weights_before_rejoining() -> None:
     async def main() -> None:

@@ -58,8 +58,14 @@ def test_rollout_hook_gets_each_steps_batch_and_true_skips_the_sinks(vrun: Any, 
         assert args.config.rollout.rollout_batch_size == 2 and args.run_dir == tmp_path / "run"
         assert len(samples) == 6 and all(isinstance(s, Sample) for s in samples)
         assert extra["rollout/samples"] == 6.0 and "perf/step_time_s" in extra
-        assert seconds == pytest.approx(extra["perf/step_time_s"])
-    assert [step for step, _ in sink.records] == [1, 3]  # True (even steps) skipped the sink
+        # miles' rollout_time: the drain, i.e. the time this step waited for its batch
+        idle = extra["perf/trainer_idle_ratio"] * extra["perf/step_time_s"]
+        assert seconds == pytest.approx(idle, abs=1e-6) and seconds < extra["perf/step_time_s"]
+    assert [step for step, _ in sink.records] == [0, 1, 2, 3]
+    for step, record in sink.records:  # True (even steps) took over the rollout data only, as in miles
+        has_rollout = any(k.startswith("rollout/") for k in record)
+        assert has_rollout == (step % 2 == 1), step
+        assert "perf/step_time_s" in record  # the rest of the step is still logged
     assert sink.closed
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [0, 1, 2, 3]  # the run's record is always written
@@ -104,3 +110,20 @@ def test_bad_hook_path_is_a_config_error(tmp_path: Path) -> None:
     cfg = make_config(tmp_path, custom_rollout_log_function_path="tests.nowhere:fn")
     with pytest.raises(ConfigError, match="--custom-rollout-log-function-path"):
         resolve_log_hooks(cfg)
+
+
+def raising_hook(*args: Any) -> bool:
+    raise RuntimeError("bug in the user's logging code")
+
+
+def test_a_raising_hook_is_logged_and_the_default_logging_kept(vrun: Any, tmp_path: Path) -> None:
+    sink = RecordingSink()
+    run_controller(
+        vrun,
+        tmp_path / "run",
+        sinks=[sink],
+        num_rollout=2,
+        custom_rollout_log_function_path=f"{__name__}:raising_hook",
+    )
+    assert [step for step, _ in sink.records] == [0, 1]
+    assert all("rollout/samples" in record for _, record in sink.records)

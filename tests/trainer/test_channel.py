@@ -164,3 +164,27 @@ def test_corrupt_tensor_table_is_a_protocol_error() -> None:
     head = bytes(frame[1]).replace(b"[4]", b"[400]")
     with pytest.raises(protocol.ProtocolError):
         protocol.decode_frame(head, bytearray(b"".join(bytes(c) for c in frame[2:])))
+
+
+def test_stopping_the_listener_closes_handshakes_in_progress() -> None:
+    """A connection still in its handshake when the listener stops is closed (not left open until its
+    timeout), and the cancellation is not swallowed: the serve task ends."""
+
+    async def main() -> None:
+        listener = ChannelListener(SECRET, handshake_timeout_s=60.0)
+        host, port = listener.address
+        peer = socket.create_connection((host, port))
+        try:
+            async with asyncio.TaskGroup() as tg:
+                task = tg.create_task(listener.serve(lambda chan: None))
+                hello = await asyncio.to_thread(peer.recv, protocol.HELLO_LEN)
+                assert len(hello) == protocol.HELLO_LEN  # the handshake is under way
+                task.cancel()
+            assert task.cancelled()
+            peer.settimeout(5.0)
+            assert await asyncio.to_thread(peer.recv, 1) == b""  # closed by the controller, at once
+        finally:
+            peer.close()
+            listener.close()
+
+    run(main())

@@ -26,7 +26,6 @@ pytestmark = pytest.mark.timeout(10)
         ({"tis_clip": 0.5, "tis_clip_low": 0.5}, "--tis-clip"),
         ({"global_batch_size": 4, "num_steps_per_rollout": 2}, "--num-steps-per-rollout"),
         ({"use_rollout_logprobs": True, "use_tis": True}, "--use-rollout-logprobs"),
-        ({"use_kl_loss": True}, "--kl-loss-coef"),
         ({"tensor_model_parallel_size": 2, "actor_num_gpus_per_node": 2}, "--train-backend"),
         ({"train_backend": "megatron", "tensor_model_parallel_size": 2}, "--tensor-model-parallel-size"),
         ({"actor_num_nodes": 2}, "--trainer-host"),

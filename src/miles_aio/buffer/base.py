@@ -63,11 +63,19 @@ class DataBuffer(ABC):
 
         `current_version` is the policy version the driver holds (None before the first push).
         Raises `BufferClosed` after `close()`.
+
+        Must be cancellation-safe: the driver cancels a waiting `get()` every `--stall-warning-s` (to
+        log the stall, then calls again) and on a stop request. Take the group off the buffer only
+        after the last `await`, as `DefaultDataBuffer` does, so a cancelled call never loses one.
         """
 
     @abstractmethod
     def get_metrics(self) -> dict[str, float]:
-        """Window counters since the previous call (then reset), plus gauges such as queue size."""
+        """Window counters since the previous call (then reset), plus gauges such as queue size.
+
+        Called once per step, when the driver has drained that step's batch, so the window's consume-
+        time figures (staleness, stale groups filtered) describe the batch logged with that step.
+        """
 
     @abstractmethod
     def state_dict(self) -> dict[str, Any]:

@@ -4,7 +4,9 @@ put (rollout worker):
   0. any FAILED sample         → ctx.on_unused(item, "failed") (user code raised under a drop/retry
                                  --rollout-failure-policy); counted in rollout/failed_groups
   1. any ABORTED sample        → ctx.on_unused(item, "aborted"); counted in aborted_groups_filtered
-  2. dynamic filter rejects    → ctx.on_filtered(item, reason); counted as drop_<reason>
+  2. dynamic filter rejects    → ctx.on_filtered(item, reason); counted as drop_<reason> (a filter
+                                 that raised: drop_filter_crashed, or under --rollout-failure-policy
+                                 fail its exception propagates from put(); see fates.normalize_filter)
   3. otherwise wait while full (capacity = floor(factor × rollout_batch_size)), then append.
 get (driver):
   wait while empty; pop the oldest; if its staleness > --max-weight-staleness → ctx.on_unused(item,

@@ -9,7 +9,9 @@ Bad prompt data: a line that is not UTF-8, not a JSON object, lacks `--input-key
 non-text prompt is a `ConfigError` naming the file and line (exit 2 before anything starts), or, with
 `--skip-invalid-prompts`, skipped, logged and counted. With `--rollout-max-prompt-len` (as miles), prompts
 longer than that many tokens are skipped when first drawn (the tokenizer only exists once the engine side
-is built; `bind_tokenizer`). Counts by reason: `DataSource.get_metrics()`, `rollout/skipped_prompts/<reason>`.
+is built; `bind_tokenizer`). A prompt the tokenizer cannot encode then (a chat template that rejects
+its messages) is a `ConfigError` naming its file and line, or, with `--skip-invalid-prompts`, skipped
+as `bad_prompt`. Counts by reason: `DataSource.get_metrics()`, `rollout/skipped_prompts/<reason>`.
 """
 
 from __future__ import annotations
@@ -65,9 +67,17 @@ class PromptRecord:
 class PromptRecords(list[PromptRecord]):
     """`read_prompt_jsonl`'s records, plus the lines skipped by reason (`--skip-invalid-prompts`)."""
 
-    def __init__(self, records: Iterable[PromptRecord] = (), skipped: Counter[str] | None = None) -> None:
+    def __init__(
+        self,
+        records: Iterable[PromptRecord] = (),
+        skipped: Counter[str] | None = None,
+        *,
+        skip_invalid: bool = False,
+    ) -> None:
         super().__init__(records)
         self.skipped: Counter[str] = skipped if skipped is not None else Counter()
+        self.skip_invalid = skip_invalid
+        """`--skip-invalid-prompts` as read: the DataSource skips prompts it cannot encode, too."""
 
 
 def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]]) -> list[int]:
@@ -103,7 +113,7 @@ def read_prompt_jsonl(path: Path, cfg: DataConfig) -> PromptRecords:
     `--skip-invalid-prompts`, is skipped: logged (the first few one by one) and counted by reason."""
     if not path.is_file():
         raise ConfigError(f"prompt data file {str(path)!r} does not exist", flags=["--prompt-data"])
-    records = PromptRecords()
+    records = PromptRecords(skip_invalid=cfg.skip_invalid_prompts)
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, start=1):
             where = f"{path}:{lineno}"
@@ -148,8 +158,16 @@ class DataSource:
     """
 
     def __init__(
-        self, records: Sequence[PromptRecord], *, n_samples_per_prompt: int, seed: int, shuffle: bool
+        self,
+        records: Sequence[PromptRecord],
+        *,
+        n_samples_per_prompt: int,
+        seed: int,
+        shuffle: bool,
+        skip_invalid_prompts: bool | None = None,
     ):
+        """`skip_invalid_prompts` (None: as the records were read, `PromptRecords.skip_invalid`, else
+        False): skip a prompt the bound tokenizer cannot encode instead of raising ConfigError."""
         if not records:
             raise ValueError("a DataSource needs at least one prompt")
         self._records = list(records)
@@ -161,6 +179,10 @@ class DataSource:
         self._order = self._epoch_order(0)
         self._recycled: deque[Group] = deque()
         self._skipped: Counter[str] = Counter(getattr(records, "skipped", None) or {})
+        if skip_invalid_prompts is None:
+            skip_invalid_prompts = bool(getattr(records, "skip_invalid", False))
+        self._skip_invalid = skip_invalid_prompts
+        self._unencodable = 0
         self._tokenizer: PromptEncoder | None = None
         self._max_prompt_len: int | None = None
         self._fits = bytearray(len(self._records))  # per prompt: 0 unchecked, 1 fits, 2 too long
@@ -201,8 +223,10 @@ class DataSource:
             self._pos += 1
             if self._fits_prompt(prompt_index):
                 return self.make_group(self._epoch * len(self._records) + prompt_index)
+        cannot = " or cannot be encoded" if self._unencodable else ""
         raise ConfigError(
-            f"every prompt is longer than {self._max_prompt_len} tokens", flags=["--rollout-max-prompt-len"]
+            f"every prompt is longer than {self._max_prompt_len} tokens{cannot}",
+            flags=["--rollout-max-prompt-len"],
         )
 
     def _fits_prompt(self, prompt_index: int) -> bool:
@@ -211,7 +235,10 @@ class DataSource:
             return True
         if not self._fits[prompt_index]:
             record = self._records[prompt_index]
-            n = len(encode_prompt(self._tokenizer, record.prompt))
+            try:
+                n = len(encode_prompt(self._tokenizer, record.prompt))
+            except Exception as e:  # the tokenizer / chat template rejects the prompt (not cancellation)
+                return self._unencodable_prompt(prompt_index, record, e)
             self._fits[prompt_index] = 1 if n <= self._max_prompt_len else 2
             if n > self._max_prompt_len:
                 self._skipped["too_long"] += 1
@@ -222,6 +249,22 @@ class DataSource:
                     max_prompt_len=self._max_prompt_len,
                 )
         return self._fits[prompt_index] == 1
+
+    def _unencodable_prompt(self, prompt_index: int, record: PromptRecord, error: Exception) -> bool:
+        """A prompt the tokenizer cannot encode: ConfigError naming file:line, or skipped as bad_prompt."""
+        where = record.where or f"prompt {prompt_index}"
+        message = f"the tokenizer cannot encode this prompt ({type(error).__name__}: {error})"
+        if not self._skip_invalid:
+            raise ConfigError(
+                f"{where}: {message} (or pass --skip-invalid-prompts)", flags=["--prompt-data"]
+            ) from error
+        self._fits[prompt_index] = 2
+        self._skipped["bad_prompt"] += 1
+        self._unencodable += 1
+        _log.warning(
+            "skipped prompt the tokenizer cannot encode", where=where, reason="bad_prompt", problem=message
+        )
+        return False
 
     def make_group(self, group_index: int) -> Group:
         record = self._records[group_index % len(self._records)]

@@ -16,7 +16,7 @@ import structlog
 
 from miles_aio.config import RunConfig
 from miles_aio.data.source import PromptRecord
-from miles_aio.eval.dispatcher import EvalDispatcher, EvalPoints
+from miles_aio.eval.dispatcher import EvalDispatcher, EvalPoints, NoEval
 from miles_aio.eval.external import ExternalEval, load_eval_fn
 from miles_aio.eval.fleet import DedicatedEngineEval
 from miles_aio.eval.shared import EVAL_PRIORITY, SharedEngineEval
@@ -39,8 +39,8 @@ def build_eval_dispatcher(
     trainer: object,
     eval_datasets: Mapping[str, Sequence[PromptRecord]] | None,
     eval_engine: InferenceEngine | None = None,
-) -> EvalPoints | None:
-    """The dispatcher for `cfg`'s eval mode, or None when there is nothing to evaluate.
+) -> EvalPoints:
+    """The dispatcher for `cfg`'s eval mode (`NoEval` when there is nothing to evaluate).
 
     `controller_ctx` is the rollout context (mode 1 queues above rollout on its limited engine);
     `eval_engine` is the mode-2 fleet's router; `trainer` exports the snapshots (`export_hf`).
@@ -50,7 +50,7 @@ def build_eval_dispatcher(
     ev, datasets = cfg.eval, dict(eval_datasets or {})
     if not ev.uses_snapshots:
         if not datasets:
-            return None
+            return NoEval()
         engine = controller_ctx.engine
         if isinstance(engine, LimitedEngine):
             engine = engine.with_priority(EVAL_PRIORITY)
@@ -65,6 +65,7 @@ def build_eval_dispatcher(
                 temperature=ev.eval_temperature,
             ),
             interval=cfg.driver.eval_interval,
+            final_step=cfg.driver.num_rollout,
             before_train=not ev.skip_eval_before_train,
         )
     evaluator: SnapshotEvaluator
@@ -73,7 +74,7 @@ def build_eval_dispatcher(
             raise RuntimeError("eval mode 2 needs its engines: enter open_eval_engines(cfg) and pass them")
         if not datasets:
             log.warning("eval mode 2 without eval datasets: nothing to evaluate")
-            return None
+            return NoEval()
         n_engines = len(ev.eval_sglang_urls) or ev.eval_num_gpus // ev.eval_num_gpus_per_engine
         evaluator = DedicatedEngineEval(
             engine=eval_engine,

@@ -15,6 +15,7 @@ weights it evaluates. The point runs as a task in the controller's TaskGroup:
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -23,7 +24,15 @@ import structlog
 
 from miles_aio.types import Sample
 
-__all__ = ["EvalDispatcher", "EvalPointResult", "EvalPoints", "EvalReport", "Evaluator", "point_samples"]
+__all__ = [
+    "EvalDispatcher",
+    "EvalPointResult",
+    "EvalPoints",
+    "EvalReport",
+    "Evaluator",
+    "NoEval",
+    "point_samples",
+]
 
 log = structlog.get_logger("miles_aio.eval")
 
@@ -78,12 +87,39 @@ class EvalPoints(Protocol):
     def collect(self) -> EvalReport: ...
 
 
+class NoEval:
+    """The `EvalPoints` of a run without eval: never due, nothing to wait for or collect."""
+
+    points = 0
+
+    def due(self, steps_done: int) -> bool:
+        return False
+
+    def dispatch(self, tg: asyncio.TaskGroup, *, steps_done: int, version: int) -> None:
+        raise RuntimeError("this run has no eval")
+
+    async def wait_before_push(self, *, steps_done: int) -> float:
+        return 0.0
+
+    def collect(self) -> EvalReport:
+        return EvalReport()
+
+
 class EvalDispatcher:
-    def __init__(self, evaluator: Evaluator, *, interval: int | None, before_train: bool = True) -> None:
+    def __init__(
+        self,
+        evaluator: Evaluator,
+        *,
+        interval: int | None,
+        final_step: int | None = None,
+        before_train: bool = True,
+    ) -> None:
         self._evaluator = evaluator
         self._interval = interval
+        self._final_step = final_step
         self._before_train = before_train
-        self._task: asyncio.Task[dict[str, float]] | None = None
+        self._task: asyncio.Task[dict[str, float] | None] | None = None
+        self._skipped: Counter[str] = Counter()
         self._point: tuple[int, int] | None = None  # (eval step, version) of the point in flight
         self._ready: list[EvalPointResult] = []
         self.points = 0
@@ -91,14 +127,26 @@ class EvalDispatcher:
     def due(self, steps_done: int) -> bool:
         if steps_done == 0:
             return self._before_train
-        return self._interval is not None and steps_done % self._interval == 0
+        # every --eval-interval steps, and after the last step (as miles: its curve ends on the final model)
+        return self._interval is not None and (
+            steps_done % self._interval == 0 or steps_done == self._final_step
+        )
 
     def dispatch(self, tg: asyncio.TaskGroup, *, steps_done: int, version: int) -> None:
         """Start a point on the weights just pushed (call right after the push)."""
         if self._task is not None:
             raise RuntimeError("an eval point is still in flight; wait_before_push() first")
         self._point = (steps_done, version)
-        self._task = tg.create_task(self._evaluator.evaluate(), name=f"eval-step-{steps_done}")
+        self._task = tg.create_task(self._evaluate(steps_done), name=f"eval-step-{steps_done}")
+
+    async def _evaluate(self, steps_done: int) -> dict[str, float] | None:
+        """The point's metrics, or None if the eval crashed: the point is skipped (`eval/skipped_crashed`,
+        as in modes 2 and 3) and training goes on. Cancellation propagates."""
+        try:
+            return await self._evaluator.evaluate()
+        except Exception:
+            log.exception("eval point crashed: skipped", step=steps_done)
+            return None
 
     async def wait_before_push(self, *, steps_done: int) -> float:
         """Let the point in flight finish on the current weights; returns the seconds waited."""
@@ -106,10 +154,15 @@ class EvalDispatcher:
             return 0.0
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        metrics = await self._task
+        result = await self._task
         waited = loop.time() - t0
         assert self._point is not None
         step, version = self._point
+        self._task, self._point = None, None
+        if result is None:
+            self._skipped["crashed"] += 1
+            return waited
+        metrics = result
         metrics.update(
             {
                 "eval/step": float(step),
@@ -125,11 +178,13 @@ class EvalDispatcher:
             **{k.split("/", 1)[1]: round(v, 4) for k, v in metrics.items() if "accuracy" in k},
         )
         self._ready.append(EvalPointResult(metrics, point_samples(self._evaluator)))
-        self._task, self._point = None, None
         self.points += 1
         return waited
 
     def collect(self) -> EvalReport:
-        """The point finished since the last call, if any (each point is handed out once)."""
+        """The point finished since the last call, if any (each point is handed out once), and the count
+        of points skipped meanwhile."""
         ready, self._ready = self._ready, []
-        return EvalReport(points=ready)
+        skipped = {f"eval/skipped_{reason}": float(n) for reason, n in self._skipped.items()}
+        self._skipped.clear()
+        return EvalReport(points=ready, skipped=skipped)

@@ -119,6 +119,7 @@ async def open_eval_engines(
                         num_engines=n,
                         weights_root=snapshot_root(cfg),
                         num_threads=e.engine_num_threads,
+                        log_dir=cfg.run_dir / "logs" / "eval",
                     )
                 )
         yield await stack.enter_async_context(EngineRouter.open(urls, api_key=e.sglang_api_key))

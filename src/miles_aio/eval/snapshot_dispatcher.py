@@ -74,7 +74,7 @@ class SnapshotEvalDispatcher:
         self._before_train = before_train
         self._max_in_flight = max_in_flight
         self._overflow = overflow_policy
-        self.retirer = SnapshotRetirer(keep_snapshots)
+        self.retirer = SnapshotRetirer(keep_snapshots, source)
         self._lock = asyncio.Lock()
         self._prepared: dict[int, _Point] = {}
         self._pending: list[asyncio.Task[None]] = []
@@ -91,7 +91,10 @@ class SnapshotEvalDispatcher:
     def due(self, steps_done: int) -> bool:
         if steps_done == 0:
             return self._before_train
-        return self._interval is not None and steps_done % self._interval == 0
+        # every --eval-interval steps, and after the last step (as miles: its curve ends on the final model)
+        return self._interval is not None and (
+            steps_done % self._interval == 0 or steps_done == self._final_step
+        )
 
     @property
     def pending(self) -> int:
@@ -150,7 +153,7 @@ class SnapshotEvalDispatcher:
             if point.snapshot is None:
                 point.snapshot = await self._source.take(point.step)
             snapshot = point.snapshot
-            if not await asyncio.to_thread(snapshot.path.is_dir):
+            if not snapshot.path.is_dir():  # one stat: no thread needed
                 raise EvalSkip("ckpt_missing")
             async with self._lock:
                 t0 = loop.time()

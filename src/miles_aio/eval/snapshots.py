@@ -13,8 +13,7 @@ deletes older ones (miles' `EvalDispatcher._retire`); `--save-hf` checkpoints ar
 
 from __future__ import annotations
 
-import asyncio
-import shutil
+import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -52,9 +51,12 @@ class EvalSkip(Exception):
 
 @runtime_checkable
 class HFExporter(Protocol):
-    """A trainer that can write its current weights as an HF model directory (`TrainerActor`)."""
+    """A trainer that can write its current weights as an HF model directory, and delete one it wrote
+    (`TrainerActor`: its rank 0 does both, so the controller's loop never blocks on model-sized I/O)."""
 
     async def export_hf(self, directory: Path) -> Path: ...
+
+    async def remove_hf(self, directory: Path) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +71,10 @@ class Snapshot:
 class SnapshotSource(Protocol):
     async def take(self, steps_done: int) -> Snapshot:
         """The snapshot of the weights after `steps_done` steps; raises `EvalSkip` when there is none."""
+        ...
+
+    async def discard(self, snapshot: Snapshot) -> None:
+        """Delete a retired snapshot this source made (`exported`); others are never touched."""
         ...
 
 
@@ -107,9 +113,14 @@ class ExportSource:
             await self._trainer.export_hf(path)
         except Exception as e:  # CancelledError is not an Exception: it propagates
             log.error("eval snapshot export failed", step=steps_done, path=str(path), error=repr(e))
-            await asyncio.to_thread(shutil.rmtree, path, True)  # a half-written export is no snapshot
+            with contextlib.suppress(Exception):  # a half-written export is no snapshot
+                await self._trainer.remove_hf(path)
             raise EvalSkip("export_failed") from e
         return Snapshot(path, exported=True, export_time_s=time.monotonic() - t0)
+
+    async def discard(self, snapshot: Snapshot) -> None:
+        if snapshot.exported:
+            await self._trainer.remove_hf(snapshot.path)
 
 
 class ReuseSource:
@@ -120,6 +131,9 @@ class ReuseSource:
 
     async def take(self, steps_done: int) -> Snapshot:
         return Snapshot(hf_checkpoint_path(self.fmt, steps_done), exported=False)
+
+    async def discard(self, snapshot: Snapshot) -> None:
+        """--save-hf checkpoints are the user's: never deleted here."""
 
 
 def snapshot_source(cfg: RunConfig, trainer: object) -> SnapshotSource:
@@ -147,18 +161,20 @@ def snapshot_root(cfg: RunConfig) -> Path:
 
 
 class SnapshotRetirer:
-    """Deletes exported snapshots of settled points beyond the newest `keep` (never `--save-hf` ones)."""
+    """Deletes exported snapshots of settled points beyond the newest `keep` (never `--save-hf` ones),
+    through the source that made them (the trainer's rank 0 deletes what it exported)."""
 
-    def __init__(self, keep: int) -> None:
+    def __init__(self, keep: int, source: SnapshotSource) -> None:
         self.keep = keep
-        self._exported: deque[Path] = deque()
+        self._source = source
+        self._exported: deque[Snapshot] = deque()
 
     async def retire(self, snapshot: Snapshot | None) -> None:
-        """Register a settled point's snapshot; `rmtree` (in a thread) the oldest beyond `keep`."""
+        """Register a settled point's snapshot; delete the oldest beyond `keep`."""
         if snapshot is None or not snapshot.exported:
             return
-        self._exported.append(snapshot.path)
+        self._exported.append(snapshot)
         while len(self._exported) > self.keep:
             old = self._exported.popleft()
-            await asyncio.to_thread(shutil.rmtree, old, True)
-            log.debug("retired eval snapshot", path=str(old))
+            await self._source.discard(old)
+            log.debug("retired eval snapshot", path=str(old.path))

@@ -379,8 +379,12 @@ class EngineRouter:
     async def update_weights_from_disk(self, model_path: str, *, version: int) -> None:
         """Every engine loads `model_path` as `version`; remembered for engines that rejoin later."""
         self._version, self._disk_weights = version, (model_path, version)
+        # flush_cache=False: the controller owns the flush (before the transfer, while paused). Under
+        # in_place it must not flush at all: SGLang refuses while frozen requests hold KV and then fails
+        # the whole update call.
         await self._broadcast(
-            "update_weights_from_disk", lambda c: c.update_weights_from_disk(model_path, version=version)
+            "update_weights_from_disk",
+            lambda c: c.update_weights_from_disk(model_path, version=version, flush_cache=False),
         )
 
     async def init_weights_update_group(
@@ -424,7 +428,12 @@ class EngineRouter:
         await self._broadcast(
             "update_weights_from_distributed",
             lambda c: c.update_weights_from_distributed(
-                names=names, dtypes=dtypes, shapes=shapes, version=version, group_name=group_name
+                names=names,
+                dtypes=dtypes,
+                shapes=shapes,
+                version=version,
+                group_name=group_name,
+                flush_cache=False,  # as in update_weights_from_disk
             ),
         )
 

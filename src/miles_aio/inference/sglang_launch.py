@@ -12,7 +12,9 @@ server's output goes to `<log_dir>/sglang-<i>.log`.
 
 Each engine runs in its own session (process group), because SGLang forks scheduler and detokenizer
 processes: teardown signals the whole group — SIGTERM, `_TERM_GRACE_S` to exit, then SIGKILL — on every
-exit path (normal, exception, Ctrl-C), so no GPU is left held by an orphan.
+exit path (normal, exception, Ctrl-C), so no GPU is left held by an orphan. If the controller dies
+without a teardown (SIGKILL, OOM killer), each server gets SIGTERM from the kernel (`PR_SET_PDEATHSIG`,
+see `_pdeathsig`) and takes its own children down.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import httpx
 import structlog
 
 from miles_aio._aio import finish_even_if_cancelled
+from miles_aio.inference._pdeathsig import die_with_parent
 
 __all__ = ["SGLangStartError", "launch_sglang_servers", "sglang_command"]
 
@@ -116,7 +119,7 @@ async def launch_sglang_servers(
             log_path = log_dir / f"sglang-{i}.log"
             with log_path.open("ab") as out:
                 proc = await asyncio.create_subprocess_exec(
-                    *cmd,
+                    *die_with_parent(cmd),  # SIGTERM when this process dies, even by SIGKILL
                     stdin=asyncio.subprocess.DEVNULL,
                     stdout=out,
                     stderr=asyncio.subprocess.STDOUT,

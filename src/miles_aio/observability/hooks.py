@@ -2,8 +2,8 @@
 
     def log_rollout_data(rollout_id, args, samples, rollout_extra_metrics, rollout_time) -> bool
         once per training step, after training: `rollout_id` the step, `samples` the trained batch's
-        samples (flat list of `Sample`), `rollout_extra_metrics` the step's metrics dict (the hook may
-        read it; changes are not logged), `rollout_time` the step's wall seconds (loop clock).
+        samples (flat list of `Sample`), `rollout_extra_metrics` a copy of the step's metrics (changes
+        are not logged), `rollout_time` the seconds the step waited for its batch (miles: the drain).
     def log_eval_rollout_data(rollout_id, args, data, extra_metrics) -> bool
         once per eval point, at the first step record written after the point finished: `rollout_id`
         the point's `eval/step`, `data` = {dataset: {"metrics": {name: value}, "samples": [Sample],
@@ -12,9 +12,10 @@
         its own), `extra_metrics` every `eval/*` metric of the point. Not called for skipped points.
 `args` is a flat namespace of every flag (`args.rollout_batch_size`, ...) plus `args.config` (the
 `RunConfig`) and `args.run_dir`, so a miles hook reading `args.<flag>` keeps working. A hook may be a
-plain or an `async def` function. Returning True skips the default logging of that step (every sink
-but `metrics.jsonl`, the run's record) or of that eval point (its `eval/*` metrics go to no sink but
-`metrics.jsonl`).
+plain or an `async def` function. Returning True skips the default logging of the step's rollout data
+(as miles: its `rollout/*` metrics go to no sink but `metrics.jsonl`, the run's record; train/, perf/
+and eval/ metrics are still logged) or of that eval point (its `eval/*` metrics likewise). A hook that
+raises is logged with its traceback and counts as False: logging code never stops training.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+import structlog
+
 from miles_aio.config import RunConfig
 from miles_aio.errors import ConfigError, PluginError
 from miles_aio.metrics import reward_value
@@ -33,6 +36,8 @@ from miles_aio.plugins import load_object
 from miles_aio.types import Sample, Status
 
 __all__ = ["LogHooks", "eval_hook_data", "flat_args", "resolve_log_hooks"]
+
+log = structlog.get_logger("miles_aio.observability")
 
 # eval/* metrics that are about the point, not one dataset
 _POINT_KEYS = frozenset({"step", "version", "lag_steps", "push_wait_seconds", "duration_seconds"})
@@ -54,7 +59,7 @@ class LogHooks:
         """Call the rollout hook (if any); True: skip the default logging of this step."""
         if self.rollout is None:
             return False
-        return await _call(self.rollout, step, args, samples, metrics, seconds)
+        return await _call(self.rollout, step, args, samples, dict(metrics), seconds)
 
     async def log_eval(
         self,
@@ -70,9 +75,13 @@ class LogHooks:
 
 
 async def _call(fn: Callable[..., Any], *args: Any) -> bool:
-    result = fn(*args)
-    if inspect.isawaitable(result):
-        result = await result
+    try:
+        result = fn(*args)
+        if inspect.isawaitable(result):
+            result = await result
+    except Exception:  # CancelledError is no Exception: it propagates
+        log.exception("logging hook raised: default logging kept", hook=getattr(fn, "__qualname__", repr(fn)))
+        return False
     return bool(result)
 
 

@@ -117,19 +117,20 @@ class RunObserver:
         metrics.update(eval_metrics)
         check_metrics(metrics)  # a warning, once per name, for a metric the registry lacks
         samples = [s for g in groups for s in g]
-        skip_step = await self.hooks.log_rollout(self.args, step, samples, metrics, times.step_s)
+        skip_rollout = await self.hooks.log_rollout(self.args, step, samples, metrics, times.wait_data_s)
         skip_eval = False
         for point in evals.points:
             if self.eval_points is not None:
                 self.eval_points.log(int(point.metrics.get("eval/step", step)), point.metrics)
             skip_eval |= await self.hooks.log_eval(self.args, point.metrics, point.samples)
             self._trace_eval(point.metrics)
-        default = {k: v for k, v in metrics.items() if k not in eval_metrics} if skip_eval else metrics
+        default = {  # what the hooks took over goes to metrics.jsonl only
+            k: v
+            for k, v in metrics.items()
+            if not (skip_eval and k in eval_metrics) and not (skip_rollout and k.startswith("rollout/"))
+        }
         for sink in self.sinks:
-            if sink is self.jsonl:
-                sink.log(step, metrics)
-            elif not skip_step:
-                sink.log(step, default)
+            sink.log(step, metrics if sink is self.jsonl else default)
         tr = self.tracer
         if tr.enabled:
             tr.complete("wait data", track="trainer", start=start, end=train_start)

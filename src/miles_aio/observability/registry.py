@@ -78,7 +78,12 @@ METRICS: tuple[MetricSpec, ...] = (
     _m(_FA + "buffer_avg_staleness", "Mean staleness of the groups still buffered.", _BUF),
     _m(_FA + "buffer_max_staleness", "Largest staleness of the groups still buffered.", _BUF),
     _m("rollout/failed_groups", "Groups whose user code raised (drop/retry --rollout-failure-policy).", _BUF),
-    _m("rollout/dynamic_filter/drop_{reason}", "Groups the dynamic filter rejected, by its reason.", _BUF),
+    _m(
+        "rollout/dynamic_filter/drop_{reason}",
+        "Groups the dynamic filter rejected, by its reason (filter_crashed: the filter raised, under a "
+        "drop/retry --rollout-failure-policy).",
+        _BUF,
+    ),
     _m(
         "rollout/skipped_prompts/{reason}",
         "Prompts skipped so far (cumulative), by reason: not_utf8, invalid_json, missing_key, bad_prompt, "
@@ -149,6 +154,7 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("train/loss", "The loss, per trained token.", _LOSS),
     _m("train/pg_loss", "Policy-gradient part of the loss, per token.", _LOSS),
     _m("train/pg_clipfrac", "Fraction of tokens whose PPO ratio was clipped.", _LOSS),
+    _m("train/dual_clipfrac", "Fraction of tokens bounded by the dual clip (--eps-clip-c).", _LOSS),
     _m("train/ppo_kl", "Mean log π_old − log π over tokens (how far the update moved).", _LOSS),
     _m("train/ratio", "Mean PPO ratio π/π_old.", _LOSS),
     _m("train/advantage", "Mean token advantage.", _LOSS),
@@ -185,7 +191,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "Modes 2/3 export source: seconds to write the point's HF snapshot.",
         _SNAP,
     ),
-    _m("eval/skipped_{reason}", "Points skipped: busy, export_failed, ckpt_missing, crashed, ...", _SNAP),
+    _m("eval/skipped_{reason}", "Points skipped: busy, export_failed, ckpt_missing, crashed, ...", _EVAL),
     _m("eval/{ds}/reward", "Mean reward on dataset ds.", _SHARED),
     _m("eval/{ds}/accuracy", "Accuracy on ds (a dict reward's accuracy/acc, else reward ≥ 1).", _SHARED),
     _m("eval/{ds}/truncated_ratio", "Fraction of ds responses cut by the length limit.", _SHARED),

@@ -9,6 +9,9 @@ script what it does per request:
   tokens as an uninterrupted request. `token_latency_s` spaces tokens out in time.
 * pause/continue behave like SGLang's: paused servers hold new requests; `abort` mode aborts in-flight
   requests (their produced tokens come back with finish_reason abort); `retract`/`in_place` freeze them.
+  Like SGLang, a cache flush is refused while requests hold KV (running, or frozen `in_place`; retracted
+  ones hold none): `/flush_cache` answers 400 and an update asking for `flush_cache` (the default)
+  answers 400 `success: false` after loading the weights.
   `/update_weight_version` defaults `abort_all_requests` to true, like SGLang. Tokens produced under
   different versions come back as `meta_info.weight_versions` spans.
 * faults, consumed one per request on their path (FIFO, `times` each): `status` (HTTP error), `garbage`
@@ -117,11 +120,13 @@ class SGLangStubServer:
         self.weight_version = "default"
         self.model_path = "stub-model"
         self.healthy = True
+        self.disable_radix_cache = False  # SGLang's default; reported by /server_info
         self.counts: Counter[str] = Counter()
         self.requests: dict[str, deque[dict[str, Any]]] = {}
         self._faults: dict[str, deque[_Fault]] = {}
         self._inflight: dict[str, _Req] = {}
         self._paused = False
+        self._pause_mode = ""
         self._cond = asyncio.Condition()
         self._runner: web.AppRunner | None = None
         self.host = "127.0.0.1"
@@ -352,7 +357,7 @@ class SGLangStubServer:
         if mode not in ("abort", "retract", "in_place"):
             return web.json_response({"error": {"message": f"bad mode {mode!r}"}}, status=400)
         async with self._cond:
-            self._paused = True
+            self._paused, self._pause_mode = True, mode
         if mode == "abort":
             await self._abort(None)
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
@@ -363,8 +368,21 @@ class SGLangStubServer:
             self._cond.notify_all()
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
+    def _holds_kv(self) -> bool:
+        """Some request holds KV: it runs, or it is frozen in place (retracted requests hold none)."""
+        return bool(self._inflight) and not (self._paused and self._pause_mode == "retract")
+
     async def _flush_cache(self, request: web.Request) -> web.StreamResponse:
+        if self._holds_kv():
+            return web.Response(status=400, text="Cache not flushed: requests are running or queued.\n")
         return web.Response(text="Cache flushed.\n")
+
+    def _updated(self, body: dict[str, Any]) -> web.StreamResponse:
+        """SGLang's answer after a weight update: it fails the call if the flush it asked for is refused."""
+        if body.get("flush_cache", True) and self._holds_kv():
+            message = "Weights were updated, but the cache was not flushed because requests are still running"
+            return web.json_response({"success": False, "message": message}, status=400)
+        return web.json_response({"success": True, "message": "Succeeded.", "num_paused_requests": 0})
 
     async def _update_from_disk(self, request: web.Request) -> web.StreamResponse:
         body = request[_BODY]
@@ -373,13 +391,13 @@ class SGLangStubServer:
         self.model_path = body["model_path"]
         if body.get("weight_version") is not None:
             self.weight_version = body["weight_version"]
-        return web.json_response({"success": True, "message": "Succeeded.", "num_paused_requests": 0})
+        return self._updated(body)
 
     async def _update_from_distributed(self, request: web.Request) -> web.StreamResponse:
         body = request[_BODY]
         if body.get("weight_version") is not None:
             self.weight_version = body["weight_version"]
-        return web.json_response({"success": True, "message": "Succeeded."})
+        return self._updated(body)
 
     async def _update_weight_version(self, request: web.Request) -> web.StreamResponse:
         body = request[_BODY]
@@ -405,6 +423,7 @@ class SGLangStubServer:
 
     async def _server_info(self, request: web.Request) -> web.StreamResponse:
         return web.json_response({"model_path": self.model_path, "host": self.host, "port": self.port,
+                                  "disable_radix_cache": self.disable_radix_cache,
                                   "version": "stub", "internal_states": [{}], "stub": True})  # fmt: skip
 
     # ---- scripting -----------------------------------------------------------------------------------

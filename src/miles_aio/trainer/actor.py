@@ -85,6 +85,7 @@ class TrainerActor:
         self._world = cfg.world_size
         self._procs: dict[int, asyncio.subprocess.Process] = {}
         self._chans: dict[int, AsyncChannel] = {}
+        self._readers: dict[int, asyncio.Task[None]] = {}
         self._pending: dict[int, deque[asyncio.Future[Message]]] = {r: deque() for r in range(self._world)}
         self._all_connected = asyncio.Event()
         self._lock = asyncio.Lock()
@@ -193,7 +194,9 @@ class TrainerActor:
             self._tg.create_task(chan.aclose())
             return
         self._chans[chan.rank] = chan
-        self._aux.append(self._tg.create_task(self._read(chan), name=f"trainer-reader-{chan.rank}"))
+        reader = self._tg.create_task(self._read(chan), name=f"trainer-reader-{chan.rank}")
+        self._readers[chan.rank] = reader
+        self._aux.append(reader)
         if len(self._chans) == self._world:
             self._all_connected.set()
 
@@ -244,9 +247,9 @@ class TrainerActor:
             err = TrainerRankError(rank, f"exited with code {rc} before connecting", returncode=rc)
             self._fail_pending(err)
             raise err
-        # The reader reports it (with the traceback the rank sent before exiting); if the socket somehow
-        # stays open, close it so the reader sees EOF.
-        await asyncio.sleep(_EXIT_REPORT_GRACE_S)
+        # The reader reports it (with the traceback the rank sent before exiting) once it reads EOF; if
+        # the socket somehow stays open (a grandchild holding it), close it so the reader sees EOF.
+        await asyncio.wait([self._readers[rank]], timeout=_EXIT_REPORT_GRACE_S)
         await self._chans[rank].aclose()
 
     async def _read(self, chan: AsyncChannel) -> None:
@@ -422,6 +425,10 @@ class TrainerActor:
         """Write the current weights as an HF model directory (transformers and SGLang load it)."""
         await self._call("export_hf", {"path": str(directory)})
         return Path(directory)
+
+    async def remove_hf(self, directory: Path) -> None:
+        """Delete an HF directory `export_hf` wrote (finished or half-written); done by rank 0."""
+        await self._call("remove_hf", {"paths": [str(directory)]}, ranks=[0])
 
     async def get_weights(self) -> dict[str, torch.Tensor]:
         """The full current weights, HF names (for tests and tools; the whole model comes over the wire)."""

@@ -83,7 +83,7 @@ class HFBackend:
             module.parameters(), lr=cfg.lr, betas=betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay
         )
         self.ref: Any = None
-        if cfg.use_kl_loss:  # frozen initial policy, full copy per rank (only loaded when the KL is on)
+        if cfg.needs_ref_model:  # frozen initial policy, full copy per rank (KL loss or --kl-coef only)
             self.ref = AutoModelForCausalLM.from_pretrained(str(cfg.hf_checkpoint), dtype=dtype)
             self.ref.to(device).requires_grad_(False).eval()
         self._names = [n for n, _ in module.named_parameters()]

@@ -22,7 +22,7 @@ import structlog
 import torch
 
 from miles_aio.trainer import protocol
-from miles_aio.trainer.protocol import Message, ProtocolError
+from miles_aio.trainer.protocol import Message
 
 __all__ = ["AsyncChannel", "BlockingChannel", "ChannelListener", "connect"]
 
@@ -80,10 +80,14 @@ class ChannelListener:
         self._timeout = handshake_timeout_s
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
-        self._sock.listen(128)
-        self._sock.setblocking(False)
+        try:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._sock.bind((host, port))
+            self._sock.listen(128)
+            self._sock.setblocking(False)
+        except BaseException:  # a taken port, a bad address: no socket left open
+            self._sock.close()
+            raise
         self.rejected = 0
         """Connections dropped because the handshake failed (wrong secret, garbage, timeout)."""
 
@@ -103,7 +107,17 @@ class ChannelListener:
     async def _handshake(
         self, conn: socket.socket, peer: Any, deliver: Callable[[AsyncChannel], None]
     ) -> None:
-        reader, writer = await asyncio.open_connection(sock=conn, limit=2**20)
+        """Authenticate one connection. A stranger on the port (wrong secret, garbage, silence, any
+        error) is logged and dropped: it must never take the listener, or the run, down. Whatever
+        happens, including cancellation (re-raised), a connection that is not delivered is closed."""
+        try:
+            reader, writer = await asyncio.open_connection(sock=conn, limit=2**20)
+        except BaseException as exc:
+            conn.close()
+            if not isinstance(exc, Exception):
+                raise
+            self._reject(peer, exc)
+            return
         try:
             async with asyncio.timeout(self._timeout):
                 nonce, hello = protocol.hello()
@@ -113,15 +127,19 @@ class ChannelListener:
                 rank, client_nonce = protocol.check_response(self._secret, nonce, response)
                 writer.write(protocol.controller_proof(self._secret, nonce, client_nonce))
                 await writer.drain()
-        except (ProtocolError, OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
-            # A stranger on the port: log and drop; it must never take the listener (or the run) down.
-            self.rejected += 1
-            log.warning("trainer channel: rejected a connection", peer=str(peer), reason=str(exc))
+        except BaseException as exc:
             writer.close()
+            if not isinstance(exc, Exception):
+                raise  # cancelled (the listener is shutting down): closed, and not swallowed
+            self._reject(peer, exc)
             with contextlib.suppress(OSError):
                 await writer.wait_closed()
             return
         deliver(AsyncChannel(reader, writer, rank=rank))
+
+    def _reject(self, peer: Any, exc: Exception) -> None:
+        self.rejected += 1
+        log.warning("trainer channel: rejected a connection", peer=str(peer), reason=repr(exc))
 
     def close(self) -> None:
         self._sock.close()

@@ -16,12 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import structlog
+
 from miles_aio._fields import flag, opt
 from miles_aio.errors import ConfigError
 
 __all__ = [
     "AdvantageEstimator",
     "KLLossType",
+    "LRDecayStyle",
     "TrainBackend",
     "TrainConfig",
     "TransferMode",
@@ -30,15 +33,19 @@ __all__ = [
 ]
 
 TrainBackend = Literal["fsdp", "megatron"]
-AdvantageEstimator = Literal["grpo", "rloo", "reinforce_plus_plus_baseline"]
+AdvantageEstimator = Literal["grpo", "gspo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
 KLLossType = Literal["k1", "k2", "k3", "low_var_kl"]
+LRDecayStyle = Literal["constant", "linear", "cosine"]
 TransferMode = Literal["disk", "broadcast"]
 FsdpWrap = Literal["auto", "fsdp2", "ddp"]
 
+log = structlog.get_logger("miles_aio.trainer.config")
+
 _CHOICES: dict[str, tuple[str, ...]] = {
     "train_backend": ("fsdp", "megatron"),
-    "advantage_estimator": ("grpo", "rloo", "reinforce_plus_plus_baseline"),
+    "advantage_estimator": ("grpo", "gspo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
     "kl_loss_type": ("k1", "k2", "k3", "low_var_kl"),
+    "lr_decay_style": ("constant", "linear", "cosine"),
     "update_weight_transfer_mode": ("disk", "broadcast"),
     "fsdp_wrap": ("auto", "fsdp2", "ddp"),
 }
@@ -80,7 +87,9 @@ class TrainConfig:
         "(default: all of them, one optimizer step per rollout).",
     )
     num_steps_per_rollout: int | None = opt(
-        None, "Optimizer steps per rollout; sets global_batch_size = samples per rollout / N."
+        None,
+        "Optimizer steps per rollout; sets global_batch_size = samples per rollout / N (N > 1 warns: each "
+        "extra step trains on data further off-policy, on top of the async staleness).",
     )
     micro_batch_size: int = opt(1, "Samples per forward/backward on one rank.")
     max_tokens_per_gpu: int | None = opt(
@@ -88,7 +97,22 @@ class TrainConfig:
     )
 
     # -- optimizer -------------------------------------------------------------------------------------
-    lr: float = opt(1e-6, "AdamW learning rate.")
+    lr: float = opt(1e-6, "AdamW learning rate (the peak of the --lr-decay-style schedule).")
+    lr_decay_style: LRDecayStyle = opt(
+        "constant",
+        "Learning-rate schedule after warmup, one iteration = one optimizer step (Megatron's formulas): "
+        "constant (--lr), linear or cosine from --lr down to --min-lr at --lr-decay-iters, --min-lr after.",
+    )
+    lr_warmup_iters: int = opt(
+        0, "Optimizer steps of linear warmup from 0 to --lr (step k of the run trains at lr·k/N; 0: none)."
+    )
+    lr_decay_iters: int | None = opt(
+        None,
+        "Optimizer step (counted from the start of the run, warmup included) at which linear/cosine decay "
+        "reaches --min-lr (default, as Megatron: the run's last, num_rollout × optimizer steps per "
+        "rollout).",
+    )
+    min_lr: float = opt(0.0, "Final learning rate of the linear/cosine decay (must be <= --lr).")
     weight_decay: float = opt(0.0, "AdamW weight decay.")
     adam_beta1: float = opt(0.9, "AdamW beta1.")
     adam_beta2: float = opt(0.98, "AdamW beta2.")
@@ -96,7 +120,23 @@ class TrainConfig:
     clip_grad: float = opt(1.0, "Clip the global gradient norm to this (0: off).")
 
     # -- loss ------------------------------------------------------------------------------------------
-    advantage_estimator: AdvantageEstimator = opt("grpo", "How rewards become per-sample advantages.")
+    advantage_estimator: AdvantageEstimator = opt(
+        "grpo",
+        "How rewards become advantages: grpo (group-normalized), gspo (GRPO advantages with a per-sequence "
+        "importance ratio), rloo (leave-one-out baseline), reinforce_plus_plus (token-level returns of the "
+        "reward on the last token minus --kl-coef × KL per token, whitened over the batch), "
+        "reinforce_plus_plus_baseline (group-mean baseline, whitened over the batch).",
+    )
+    normalize_advantages: bool = opt(
+        False,
+        "Whiten the advantages over all trained tokens of the rollout (masked mean/std across the "
+        "data-parallel ranks, eps 1e-8) after the estimator.",
+    )
+    kl_coef: float = opt(
+        0.0,
+        "Reward shaping for --advantage-estimator reinforce_plus_plus: every token's reward gets "
+        "-kl_coef × (log π_old − log π_ref) (loads the reference model; other estimators refuse it).",
+    )
     disable_grpo_std_normalization: bool = opt(
         False, "GRPO: only mean-centre rewards per group (Dr.GRPO), do not divide by the group std."
     )
@@ -105,8 +145,15 @@ class TrainConfig:
     eps_clip_high: float | None = opt(
         None, "PPO ratio clip upper bound 1 + eps_clip_high (default eps_clip)."
     )
+    eps_clip_c: float | None = opt(
+        None,
+        "Dual-clip PPO: for tokens with negative advantage also bound the loss by -A × c (c > 1), so a "
+        "huge ratio cannot blow up the update (default: off).",
+    )
     use_kl_loss: bool = opt(False, "Add a KL penalty against the frozen initial model (keeps a copy).")
-    kl_loss_coef: float = opt(0.0, "Weight of the KL loss.")
+    kl_loss_coef: float = opt(
+        0.0, "Weight of the KL loss (0 with --use-kl-loss: the KL is only computed and logged)."
+    )
     kl_loss_type: KLLossType = opt("low_var_kl", "KL estimator: k1, k2, k3 or low_var_kl (k3 clamped).")
     entropy_coef: float = opt(0.0, "Entropy bonus weight (loss -= coef × entropy).")
     use_tis: bool = opt(
@@ -157,7 +204,7 @@ class TrainConfig:
             "weight_sync_keep",
         ):
             _require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
-        for name in ("global_batch_size", "num_steps_per_rollout", "max_tokens_per_gpu"):
+        for name in ("global_batch_size", "num_steps_per_rollout", "max_tokens_per_gpu", "lr_decay_iters"):
             value = getattr(self, name)
             _require(value is None or value >= 1, name, f"must be >= 1, got {value}")
         for name in ("lr", "trainer_connect_timeout_s", "dist_timeout_s", "adam_eps"):
@@ -170,6 +217,8 @@ class TrainConfig:
             "entropy_coef",
             "tis_clip_low",
             "opsm_delta",
+            "kl_coef",
+            "min_lr",
         ):
             value = getattr(self, name)
             _require(math.isfinite(value) and value >= 0, name, f"must be >= 0, got {value}")
@@ -181,6 +230,13 @@ class TrainConfig:
             "eps_clip_high",
             f"must be > 0, got {self.eps_clip_high}",
         )
+        _require(
+            self.eps_clip_c is None or (math.isfinite(self.eps_clip_c) and self.eps_clip_c > 1),
+            "eps_clip_c",
+            f"the dual-clip constant must be > 1, got {self.eps_clip_c}",
+        )
+        _require(self.lr_warmup_iters >= 0, "lr_warmup_iters", f"must be >= 0, got {self.lr_warmup_iters}")
+        self._check_lr_schedule()
         _require(0 <= self.trainer_port < 65536, "trainer_port", f"must be a port, got {self.trainer_port}")
         _require(self.trainer_num_threads >= 0, "trainer_num_threads", "must be >= 0 (0: automatic)")
         if self.tis_clip <= self.tis_clip_low:
@@ -199,10 +255,18 @@ class TrainConfig:
                 "with --use-rollout-logprobs the importance weight π_old/π_rollout is always 1",
                 flags=["--use-rollout-logprobs", "--use-tis" if self.use_tis else "--use-decoupled-loss"],
             )
-        if self.use_kl_loss and self.kl_loss_coef == 0:
+        if self.kl_coef > 0 and self.advantage_estimator != "reinforce_plus_plus":
             raise ConfigError(
-                "a KL loss with coefficient 0 only costs a reference model",
-                flags=["--use-kl-loss", "--kl-loss-coef"],
+                f"--kl-coef shapes the rewards of reinforce_plus_plus only; {self.advantage_estimator} "
+                "would ignore it (use --use-kl-loss --kl-loss-coef for a KL penalty in the loss)",
+                flags=["--kl-coef", "--advantage-estimator"],
+            )
+        if self.num_steps_per_rollout is not None and self.num_steps_per_rollout > 1:
+            log.warning(
+                "num_steps_per_rollout_adds_off_policyness",
+                num_steps_per_rollout=self.num_steps_per_rollout,
+                detail="every optimizer step after a rollout's first trains on samples generated by an older "
+                "policy, on top of the fully async staleness; keep the TIS/decoupled correction on",
             )
         if self.train_backend == "fsdp" and (
             self.tensor_model_parallel_size > 1 or self.pipeline_model_parallel_size > 1
@@ -228,6 +292,39 @@ class TrainConfig:
                 "ranks on other nodes cannot dial a loopback address; give the controller's address",
                 flags=["--actor-num-nodes", "--trainer-host"],
             )
+
+    def _check_lr_schedule(self) -> None:
+        if self.min_lr > self.lr:
+            raise ConfigError(f"--min-lr {self.min_lr} exceeds --lr {self.lr}", flags=["--min-lr", "--lr"])
+        if self.lr_decay_iters is not None and self.lr_decay_iters <= self.lr_warmup_iters:
+            raise ConfigError(
+                f"decay must end after warmup: --lr-decay-iters {self.lr_decay_iters} <= "
+                f"--lr-warmup-iters {self.lr_warmup_iters}",
+                flags=["--lr-decay-iters", "--lr-warmup-iters"],
+            )
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step `step` (0-based, counted from the start of the run), as
+        Megatron's OptimizerParamScheduler computes it with --lr-warmup-init 0:
+        warmup (step ≤ W): lr·step/W; then constant: lr; linear / cosine with decay end D: past D min_lr,
+        else min_lr + (lr − min_lr)·c with ρ = (step − W)/(D − W), c = 1 − ρ (linear) or ½(1 + cos πρ)."""
+        w, top, low = self.lr_warmup_iters, self.lr, self.min_lr
+        if w > 0 and step <= w:
+            return top * step / w
+        d = self.lr_decay_iters
+        if self.lr_decay_style == "constant" or d is None:
+            return top
+        if step > d:
+            return low
+        rho = (step - w) / (d - w)
+        coeff = 1.0 - rho if self.lr_decay_style == "linear" else 0.5 * (math.cos(math.pi * rho) + 1.0)
+        return low + coeff * (top - low)
+
+    @property
+    def needs_ref_model(self) -> bool:
+        """The frozen initial policy is loaded for the KL loss (or its monitoring at coefficient 0) and
+        for reinforce_plus_plus' reward shaping."""
+        return self.use_kl_loss or self.kl_coef > 0
 
     def _check_pipeline_layers(self) -> None:
         """Megatron splits the decoder layers evenly over the pipeline stages: the checkpoint's layer

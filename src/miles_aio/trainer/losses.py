@@ -16,7 +16,7 @@ batch: a token mean over the global batch.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -33,12 +33,16 @@ __all__ = [
     "TrainRow",
     "collate",
     "compute_advantages",
+    "dual_clip",
     "entropy_from_logits",
     "finalize_metrics",
+    "gspo_log_ratio",
     "kl_estimate",
+    "masked_whiten",
     "micro_batch_loss",
     "policy_loss",
     "ppo_clip_loss",
+    "reinforce_pp_returns",
     "scalar_reward",
     "shard_batch",
     "split_micro_batches",
@@ -46,7 +50,7 @@ __all__ = [
     "token_log_probs",
 ]
 
-Estimator = Literal["grpo", "rloo", "reinforce_plus_plus_baseline"]
+Estimator = Literal["grpo", "gspo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
 KLType = Literal["k1", "k2", "k3", "low_var_kl"]
 
 
@@ -71,11 +75,16 @@ def compute_advantages(
 ) -> list[list[float]]:
     """Per-sample advantages for a step's groups (one list of rewards per prompt group).
 
-    grpo: (r − group mean) / (group std + eps), std unbiased as torch's; mean-centred only when
+    grpo, gspo: (r − group mean) / (group std + eps), std unbiased as torch's; mean-centred only when
       `std_normalization` is False (Dr.GRPO). A group of one keeps its raw reward (nothing to compare).
+      (GSPO differs from GRPO in the loss, by its per-sequence ratio: `gspo_log_ratio`.)
+    reinforce_plus_plus: the raw reward; the rank turns it into token-level returns once it has the
+      log-probs (`reinforce_pp_returns`, then `masked_whiten` over the whole batch).
     rloo: r_i − mean of the *other* samples of the group = n/(n−1) · (r_i − group mean).
     reinforce_plus_plus_baseline: r − group mean, then whitened over all samples of the step.
     """
+    if estimator == "reinforce_plus_plus":
+        return [[float(r) for r in group] for group in rewards]
     out: list[list[float]] = []
     for group in rewards:
         r = torch.tensor(group, dtype=torch.float64)
@@ -84,7 +93,7 @@ def compute_advantages(
             out.append(r.tolist())
             continue
         centred = r - r.mean()
-        if estimator == "grpo":
+        if estimator in ("grpo", "gspo"):
             adv = centred / (r.std() + eps) if std_normalization else centred
         elif estimator == "rloo":
             adv = centred * n / (n - 1)
@@ -99,6 +108,63 @@ def compute_advantages(
             mean, std = flat.mean(), flat.std()
             out = [[(a - float(mean)) / (float(std) + eps) for a in g] for g in out]
     return out
+
+
+def reinforce_pp_returns(
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    kl: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> torch.Tensor:
+    """REINFORCE++ token-level returns (γ = 1), [B, T] aligned to targets like every token tensor.
+
+    `rewards` holds each row's scalar reward on its response tokens (as `collate` lays out a
+    `TrainRow.advantage`); the reward is placed on the row's last trained (mask 1) token. With
+    kl_coef > 0 every trained token t also gets −kl_coef · kl_t (kl = log π_old − log π_ref). The return
+    of token t is the sum of the token rewards from t to the end; untrained tokens return 0.
+    """
+    m = mask.to(torch.float32)
+    t = m.shape[-1]
+    pos = torch.arange(1, t + 1, dtype=torch.float32, device=m.device)
+    last = (m * pos).argmax(-1, keepdim=True)  # the last trained token (0 for an empty row)
+    has = (m.sum(-1, keepdim=True) > 0).to(torch.float32)
+    token_r = torch.zeros_like(m).scatter(-1, last, rewards.to(torch.float32).gather(-1, last) * has)
+    if kl_coef > 0:
+        if kl is None:
+            raise ValueError("kl_coef > 0 needs the per-token KL")
+        token_r = token_r - kl_coef * kl.to(torch.float32) * m
+    returns = token_r.flip(-1).cumsum(-1).flip(-1)
+    return returns * m
+
+
+def masked_whiten(
+    values: Sequence[torch.Tensor],
+    masks: Sequence[torch.Tensor],
+    *,
+    eps: float = 1e-8,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> list[torch.Tensor]:
+    """(v − μ) / sqrt(σ² + eps) over the mask-1 entries of all `values` together (miles'
+    `distributed_masked_whiten`: unbiased variance, mean shifted). `reduce` sums the float64 statistics
+    [Σv, Σv², n] over other ranks (an all-reduce) so the whole data-parallel batch shares μ and σ.
+    Masked-out entries come back as 0."""
+    dev = values[0].device if values else torch.device("cpu")
+    stats = torch.zeros(3, dtype=torch.float64, device=dev)
+    for v, m in zip(values, masks, strict=True):
+        v64, m64 = v.double(), m.double()
+        stats += torch.stack([(v64 * m64).sum(), (v64 * v64 * m64).sum(), m64.sum()])
+    if reduce is not None:
+        stats = reduce(stats)
+    total, total_sq, n = (float(x) for x in stats)
+    if n < 1:
+        return [torch.zeros_like(v) for v in values]
+    mean = total / n
+    var = max(total_sq / n - mean * mean, 0.0)
+    if n > 1:
+        var *= n / (n - 1)
+    scale = 1.0 / math.sqrt(var + eps)
+    return [((v - mean) * scale * (m > 0)).to(v.dtype) for v, m in zip(values, masks, strict=True)]
 
 
 # -- per-token quantities --------------------------------------------------------------------------------
@@ -151,6 +217,23 @@ def ppo_clip_loss(
     return loss, (clipped > unclipped).float(), ratio
 
 
+def dual_clip(pg: torch.Tensor, advantages: torch.Tensor, c: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dual-clip PPO (Ye et al. 2020): where A < 0 the PPO-clip loss is also bounded by −A·c (c > 1),
+    pg' = min(pg, −A·c); elsewhere pg is unchanged. Returns (pg', active: 1.0 where the bound bit)."""
+    bound = -advantages * c
+    active = (advantages < 0) & (pg > bound)
+    return torch.where(active, bound, pg), active.float()
+
+
+def gspo_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO's per-token log-ratio [B, T]: log s_i,t = sg[log s_i] + log π_t − sg[log π_t], with
+    log s_i = mean over the row's trained tokens of (log π − log π_old). Every token's value is its
+    sequence's ratio, while its gradient is s_i·∇log π_t (the sequence-level GSPO gradient)."""
+    m = mask.to(logp.dtype)
+    seq = ((logp.detach() - old_logp) * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp_min(1.0)
+    return seq + logp - logp.detach()
+
+
 def tis_weights(
     old_logp: torch.Tensor, rollout_logp: torch.Tensor, *, low: float, high: float
 ) -> torch.Tensor:
@@ -165,6 +248,8 @@ class LossSettings:
 
     eps_clip: float = 0.2
     eps_clip_high: float | None = None
+    eps_clip_c: float | None = None
+    advantage_estimator: Estimator = "grpo"
     use_tis: bool = False
     tis_clip: float = 2.0
     tis_clip_low: float = 0.0
@@ -206,6 +291,9 @@ def policy_loss(
       1 (plain PPO), clamp(π_old/π_rollout, tis_clip_low, tis_clip) (`use_tis`), or π_old/π_rollout
       (`use_decoupled_loss`: AReaL's behaviour weight, clamped likewise when `use_tis` is also on);
     loss = Σ_mask (pg + kl_coef·KL(π‖π_ref) − entropy_coef·H) / num_tokens (default: this mask's sum).
+    With `eps_clip_c` the PPO-clip term is dual-clipped (`dual_clip`). With the gspo estimator the
+    ratio is the sequence's (`gspo_log_ratio`), so the clip acts per sequence; the TIS / decoupled
+    behaviour weight stays per token (as in miles). kl_loss_coef 0 computes the KL for the metric only.
     OPSM zeroes the mask of sequences with A < 0 and mean(log π_rollout − log π) > opsm_delta.
     """
     s = settings
@@ -220,9 +308,17 @@ def policy_loss(
     denom = float(mask.sum()) if num_tokens is None else float(num_tokens)
     denom = max(denom, 1.0)
 
+    if s.advantage_estimator == "gspo":
+        # ppo_clip_loss exponentiates logp − old_logp: pass the sequence log-ratio as "logp" against 0.
+        pg_logp, pg_old = gspo_log_ratio(logp, old_logp, mask), torch.zeros_like(old_logp)
+    else:
+        pg_logp, pg_old = logp, old_logp
     pg, clipped, ratio = ppo_clip_loss(
-        logp, old_logp, advantages, eps_clip=s.eps_clip, eps_clip_high=s.eps_clip_high
+        pg_logp, pg_old, advantages, eps_clip=s.eps_clip, eps_clip_high=s.eps_clip_high
     )
+    dual: torch.Tensor | None = None
+    if s.eps_clip_c is not None:
+        pg, dual = dual_clip(pg, advantages, s.eps_clip_c)
     weight: torch.Tensor | None = None
     if s.use_decoupled_loss:
         weight = torch.exp(old_logp - rollout_logp).detach()
@@ -242,8 +338,11 @@ def policy_loss(
     if s.use_kl_loss:
         if ref_logp is None:
             raise ValueError("use_kl_loss needs ref_logp")
-        kl = kl_estimate(logp, ref_logp, s.kl_loss_type)
-        per_token = per_token + s.kl_loss_coef * kl
+        if s.kl_loss_coef > 0:
+            kl = kl_estimate(logp, ref_logp, s.kl_loss_type)
+            per_token = per_token + s.kl_loss_coef * kl
+        else:  # monitoring only (miles recipes pass --use-kl-loss --kl-loss-coef 0)
+            kl = kl_estimate(logp.detach(), ref_logp, s.kl_loss_type)
     loss = (per_token * mask).sum() / denom
 
     with torch.no_grad():
@@ -272,6 +371,8 @@ def policy_loss(
             sums["tis_clipfrac"] = msum(
                 ((torch.exp(diff) > s.tis_clip) | (torch.exp(diff) < s.tis_clip_low)).float()
             )
+        if dual is not None:
+            sums["dual_clipfrac"] = msum(dual)
         if entropy is not None:
             sums["entropy"] = msum(entropy)
         if kl is not None:

@@ -149,7 +149,7 @@ class MegatronBackend:
         initial = protocol.read_hf_dir(cfg.hf_checkpoint)
         self.load_hf_tensors(initial)
         self.ref: Any = None
-        if cfg.use_kl_loss:
+        if cfg.needs_ref_model:
             self.ref = build()
             _load_into(self.ref, self._to_megatron(initial))
             self.ref.requires_grad_(False)

@@ -281,6 +281,12 @@ def write_hf_dir(tensors: Mapping[str, torch.Tensor], out: Path, *, source: Path
     os.replace(tmp, out)
 
 
+def remove_hf_dir(out: Path) -> None:
+    """Delete what `write_hf_dir(..., out)` wrote, finished or not (its temporary sibling too)."""
+    shutil.rmtree(out.with_name(out.name + ".tmp"), ignore_errors=True)
+    shutil.rmtree(out, ignore_errors=True)
+
+
 def read_hf_dir(model_dir: Path) -> dict[str, torch.Tensor]:
     """All tensors of an HF safetensors directory (single file or shards)."""
     out: dict[str, torch.Tensor] = {}

@@ -129,7 +129,8 @@ class RankWorker:
         with torch.no_grad():
             recompute = not cfg.use_rollout_logprobs
             old = [self._logps(s) if recompute else [mb.rollout_logp for mb in s] for s in per_step]
-            ref = [self._logps(s, ref=True) for s in per_step] if cfg.use_kl_loss else None
+            ref = [self._logps(s, ref=True) for s in per_step] if cfg.needs_ref_model else None
+            self._token_advantages(per_step, old, ref)
         sums: dict[str, float] = {}
         maxes: dict[str, float] = {}
         grad_norms: list[float] = []
@@ -160,6 +161,8 @@ class RankWorker:
                     with be.no_sync(i < len(mbs) - 1):
                         torch.autograd.backward(loss_of(j, i, be.logits(mb)))
             grad_norms.append(be.clip_grad(cfg.clip_grad))
+            for group in be.optimizer.param_groups:  # the schedule is a function of the run's step count
+                group["lr"] = cfg.lr_at(self.optimizer_steps)
             be.optimizer.step()
             self.optimizer_steps += 1
         metrics = self._reduce(sums, maxes)
@@ -176,6 +179,37 @@ class RankWorker:
             "perf/trainer_step_s": wall,
         }
         return {"metrics": metrics}, {}
+
+    def _token_advantages(
+        self,
+        per_step: list[list[losses.MicroBatch]],
+        old: list[list[torch.Tensor]],
+        ref: list[list[torch.Tensor]] | None,
+    ) -> None:
+        """Token-level advantages, in place, over the whole rollout on all data-parallel ranks:
+        reinforce_plus_plus returns (the rows carry raw rewards) whitened, and --normalize-advantages."""
+        cfg = self.cfg
+        mbs = [mb for s in per_step for mb in s]
+        whiten = cfg.normalize_advantages
+        if cfg.advantage_estimator == "reinforce_plus_plus":
+            flat_old = [t for s in old for t in s]
+            flat_ref = [t for s in ref for t in s] if ref is not None else [None] * len(mbs)
+            for mb, o, r in zip(mbs, flat_old, flat_ref, strict=True):
+                kl = None if r is None else o - r
+                mb.advantages = losses.reinforce_pp_returns(
+                    mb.advantages, mb.mask, kl=kl, kl_coef=cfg.kl_coef
+                )
+            whiten = True
+        if not whiten:
+            return
+
+        def dp_sum(t: torch.Tensor) -> torch.Tensor:
+            dist.all_reduce(t, group=self.backend.dp_group)
+            return t
+
+        white = losses.masked_whiten([mb.advantages for mb in mbs], [mb.mask for mb in mbs], reduce=dp_sum)
+        for mb, adv in zip(mbs, white, strict=True):
+            mb.advantages = adv
 
     def _reduce(self, sums: dict[str, float], maxes: dict[str, float]) -> dict[str, float]:
         keys, mkeys = sorted(sums), sorted(maxes)
@@ -301,6 +335,14 @@ class RankWorker:
         return d / (f"optimizer_rank{self.rank}" if self._optim_sharded else "optimizer")
 
     op_export_hf = op_save_hf
+
+    def op_remove_hf(self, msg: Message) -> Reply:
+        """Delete HF directories this trainer exported (retired eval snapshots), on rank 0: the controller
+        never blocks its loop on (or spawns a thread for) deleting a model of many GB."""
+        if self.rank == 0:
+            for path in msg.header["paths"]:
+                protocol.remove_hf_dir(Path(path))
+        return {}, {}
 
 
 def _my_address() -> str:

@@ -6,11 +6,12 @@
 Each child is `python -m miles_aio.inference.local --port 0 --exit-on-stdin-eof ...`. The launcher reads
 each child's stdout until its one JSON "ready" line (so no port is guessed and nothing polls); after that
 line the child points its stdout at its stderr, so the pipe never fills. Stderr goes to
-`<log_dir>/engine-<i>.log` (a fresh temporary folder if none is given), so no task has to drain it. A
-child that exits before it is ready raises `EngineStartError` with the tail of its log.
+`<log_dir>/engine-<i>.log` (a fresh temporary folder if none is given, removed again on exit), so no task
+has to drain it. A child that exits before it is ready raises `EngineStartError` with the tail of its log.
 
 Cleanup, on every exit path (normal, exception, cancellation): SIGTERM, up to `_TERM_GRACE_S` to exit, then
-SIGKILL. If the controller itself is SIGKILLed, the children see stdin EOF and exit on their own.
+SIGKILL. If the controller itself is SIGKILLed, the children get SIGTERM from the kernel
+(`PR_SET_PDEATHSIG`, see `_pdeathsig`) and also see stdin EOF, and exit on their own.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import shutil
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Sequence
@@ -29,6 +31,7 @@ from typing import Final
 import structlog
 
 from miles_aio._aio import finish_even_if_cancelled
+from miles_aio.inference._pdeathsig import die_with_parent
 
 __all__ = ["EngineStartError", "launch_local_engines"]
 
@@ -84,15 +87,16 @@ async def launch_local_engines(
     if weights_root is not None:
         cmd += ["--weights-root", str(weights_root)]
     cmd += list(extra_args)
-    logs = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="miles-aio-engines-"))
-    logs.mkdir(parents=True, exist_ok=True)
+    own_logs = log_dir is None  # a temporary folder of ours: removed once the engines are down
+    logs = Path(tempfile.mkdtemp(prefix="miles-aio-engines-")) if log_dir is None else Path(log_dir)
     children: list[_Child] = []
     try:
+        logs.mkdir(parents=True, exist_ok=True)
         for i in range(num_engines):
             log_path = logs / f"engine-{i}.log"
             with log_path.open("ab") as log_file:
                 proc = await asyncio.create_subprocess_exec(
-                    *cmd,
+                    *die_with_parent(cmd),  # SIGTERM when this process dies, even by SIGKILL
                     stdin=asyncio.subprocess.PIPE,
                     stdout=asyncio.subprocess.PIPE,
                     stderr=log_file,
@@ -111,7 +115,11 @@ async def launch_local_engines(
     finally:
         # The stop runs to completion even if this task is cancelled (again) meanwhile: a cancelled caller
         # must not leave children behind. The cancellation is re-raised once they are gone.
-        await finish_even_if_cancelled(_stop_all(children))
+        try:
+            await finish_even_if_cancelled(_stop_all(children))
+        finally:
+            if own_logs:
+                shutil.rmtree(logs, ignore_errors=True)
 
 
 async def _wait_ready(child: _Child) -> str:

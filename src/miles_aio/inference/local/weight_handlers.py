@@ -4,13 +4,23 @@
 Each update is read (from disk, or by broadcast from trainer rank 0), validated whole by
 `weights.stage_update`, and only then handed to `LocalEngine.update_weights`, which swaps it in between
 steps. Answers are SGLang's `{"success", "message", ...}`, 200 or 400.
+
+Cancellation (the server runs with `handler_cancellation`, so a client that hangs up cancels its handler):
+a torch.distributed call in a thread cannot be stopped, so a cancelled handler still waits for it to
+finish (`_complete`) before the cancellation propagates: a receive keeps `dist_lock` until its collective
+is done (a retry never starts a second collective on the group meanwhile), and a group whose rendezvous
+completes after its request was cancelled is still registered (so `destroy_weights_update_group` and
+shutdown can free it).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any, TypeVar
 
+import structlog
 import torch
 from aiohttp import web
 
@@ -27,18 +37,44 @@ from miles_aio.inference.local.weights import (
 
 __all__ = ["WeightHandlers"]
 
+_log = structlog.get_logger(__name__)
+_T = TypeVar("_T")
+
+
+async def _complete(coro: Coroutine[Any, Any, _T]) -> _T:
+    """Await `coro` to its end even if the caller is cancelled meanwhile; then re-raise the cancellation.
+
+    `coro` runs as its own task; `asyncio.wait` (unlike a plain await) never cancels it, so it finishes
+    however often the caller is cancelled. If the caller was cancelled, the task's own outcome is logged
+    and `CancelledError` is raised; otherwise its result (or exception) is returned (raised).
+    """
+    task = asyncio.ensure_future(coro)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.wait([task])
+        except asyncio.CancelledError:
+            cancelled = True  # keep waiting: the thread behind `task` cannot be stopped
+    if cancelled:
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            _log.warning("engine.cancelled_request_failed", error=f"{type(exc).__name__}: {exc}")
+        raise asyncio.CancelledError
+    return task.result()
+
 
 class WeightHandlers:
     def __init__(self, state: ServerState) -> None:
         self.s = state
         self.engine = state.engine
+        self._joining: set[str] = set()
+        """Group names whose rendezvous is under way (not yet in `state.groups`)."""
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         try:
             req = proto.parse_update_from_disk(await read_body(request))
             path = resolve_weights_dir(req.model_path, weights_root=self.s.weights_root)
             staged = await asyncio.to_thread(self._stage_from_disk, path)
-        except (proto.BadRequest, WeightUpdateError) as exc:
+        except (proto.BadRequest, WeightUpdateError, OSError) as exc:
             return weight_reply(False, f"Failed to update weights: {exc}", num_paused_requests=0)
         if req.abort_all_requests:
             self.engine.abort(
@@ -55,7 +91,10 @@ class WeightHandlers:
 
     def _stage_from_disk(self, path: Path) -> dict[str, torch.Tensor]:
         return stage_update(
-            self.s.model.spec, read_checkpoint(path), dtype=self.s.model.dtype, require_all=True
+            self.s.model.spec,
+            read_checkpoint(path, weights_root=self.s.weights_root),
+            dtype=self.s.model.dtype,
+            require_all=True,
         )
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
@@ -63,9 +102,13 @@ class WeightHandlers:
             req = proto.parse_init_group(await read_body(request))
         except proto.BadRequest as exc:
             return weight_reply(False, str(exc))
-        if req.group_name in self.s.groups:
-            return weight_reply(False, f"group {req.group_name!r} already exists; destroy it first")
-        try:
+        name = req.group_name
+        if name in self.s.groups:
+            return weight_reply(False, f"group {name!r} already exists; destroy it first")
+        if name in self._joining:
+            return weight_reply(False, f"group {name!r} is being initialized by another request")
+
+        async def join_and_register() -> None:
             # Blocks until every rank joined: off the loop. The engine is rank_offset + tp_rank (tp = 1).
             pg = await asyncio.to_thread(
                 weight_sync.init_custom_process_group,
@@ -74,11 +117,17 @@ class WeightHandlers:
                 master_port=req.master_port,
                 world_size=req.world_size,
                 rank=req.rank_offset,
-                group_name=req.group_name,
+                group_name=name,
             )
+            self.s.groups[name] = pg  # here, not in the handler: registered even if the handler is cancelled
+
+        self._joining.add(name)
+        try:
+            await _complete(join_and_register())
         except Exception as exc:
             return weight_reply(False, f"Failed to initialize custom process group: {exc}.")
-        self.s.groups[req.group_name] = pg
+        finally:
+            self._joining.discard(name)
         return weight_reply(True, "Succeeded to initialize custom process group.")
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
@@ -102,8 +151,9 @@ class WeightHandlers:
             )
         try:
             async with self.s.dist_lock:  # collectives on one group must not interleave
-                tensors = await asyncio.to_thread(
-                    weight_sync.receive_weights, shapes=req.shapes, dtypes=dtypes, group=pg
+                # Held until the receive is really over, even if this request is cancelled meanwhile.
+                tensors = await _complete(
+                    asyncio.to_thread(weight_sync.receive_weights, shapes=req.shapes, dtypes=dtypes, group=pg)
                 )
         except Exception as exc:
             return weight_reply(False, f"Failed to receive weights: {exc}")

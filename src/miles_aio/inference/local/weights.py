@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Final
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from miles_aio.inference.local.model import LlamaSpec
@@ -45,21 +46,58 @@ def resolve_weights_dir(model_path: str, *, weights_root: Path) -> Path:
     return path
 
 
-def read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
-    """All tensors of an HF safetensors checkpoint (single file, sharded with an index, or loose shards)."""
+def read_checkpoint(model_dir: Path, *, weights_root: Path | None = None) -> dict[str, torch.Tensor]:
+    """All tensors of an HF safetensors checkpoint (single file, sharded with an index, or loose shards).
+
+    With `weights_root`, every shard file must really (after symlinks and `..`) lie under it: the index's
+    `weight_map` is file content, not trusted input. Any unreadable or corrupt file (index or shard) is
+    a `WeightUpdateError` naming it; nothing is returned unless every shard read whole.
+    """
     index = model_dir / _SAFETENSORS_INDEX
     if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = _index_shards(index)
     elif (model_dir / "model.safetensors").exists():
         files = ["model.safetensors"]
     else:
         files = sorted(p.name for p in model_dir.glob("*.safetensors"))
     if not files:
         raise WeightUpdateError(f"{model_dir} holds no safetensors checkpoint")
+    root = weights_root.resolve() if weights_root is not None else None
+    paths = [_shard_path(model_dir, name, root=root) for name in files]  # all checked before any read
     tensors: dict[str, torch.Tensor] = {}
-    for name in files:
-        tensors.update(load_file(str(model_dir / name)))
+    for path in paths:
+        try:
+            tensors.update(load_file(str(path)))
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            raise WeightUpdateError(f"cannot read shard {str(path)!r}: {exc}") from exc
     return tensors
+
+
+def _index_shards(index: Path) -> list[str]:
+    """The shard file names `model.safetensors.index.json` maps to (sorted, unique)."""
+    try:
+        data = json.loads(index.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise WeightUpdateError(f"cannot read {str(index)!r}: {exc}") from exc
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v for v in weight_map.values()):
+        raise WeightUpdateError(
+            f'malformed {str(index)!r}: expected {{"weight_map": {{tensor name: shard file name}}}}'
+        )
+    return sorted(set(weight_map.values()))
+
+
+def _shard_path(model_dir: Path, name: str, *, root: Path | None) -> Path:
+    """The real path of shard `name` of `model_dir`; with `root`, it must lie under it."""
+    path = Path(os.path.realpath(model_dir / name))
+    if root is not None and root not in path.parents:
+        raise WeightUpdateError(
+            f"shard {name!r} of {str(model_dir)!r} resolves to {str(path)!r}, outside the engine's "
+            f"--weights-root {str(root)!r}"
+        )
+    if not path.is_file():
+        raise WeightUpdateError(f"shard {name!r} of {str(model_dir)!r} is not a file")
+    return path
 
 
 def parse_dtype(name: str) -> torch.dtype:
