@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -233,3 +234,26 @@ def test_shard_batch_splits_steps_then_dp_ranks() -> None:
         sum(s.response_length for s in flat[4:]),
     ]
     assert len(out.advantages) == 8
+
+
+def test_mask_offpolicy_keeps_only_the_newest_versions_tokens() -> None:
+    """--mask-offpolicy-in-partial-rollout: a response that spanned pushes trains only on the tokens its
+    newest policy produced; the loss denominator counts what is left."""
+    batch = make_batch(0, groups=1, n=2)
+    spanning, whole = batch[0]
+    r = spanning.response_length
+    assert r > 1
+    spanning.weight_versions = [3] * (r - 1) + [4]  # one push landed before its last token
+    spanning.loss_mask = [1] * r
+    whole.weight_versions = [4] * whole.response_length
+    assert losses.newest_version_mask(spanning) == [0] * (r - 1) + [1]
+    tool = make_batch(1, groups=1, n=1)[0][0]  # a context token (loss mask 0, no version) stays 0
+    tool.weight_versions = [None] + [5] * (tool.response_length - 1)
+    tool.loss_mask = [0] + [1] * (tool.response_length - 1)
+    assert losses.newest_version_mask(tool) == tool.loss_mask
+    kw: dict[str, Any] = {"estimator": "grpo", "std_normalization": True, "reward_key": None, "dp_size": 1}
+    out = losses.shard_batch(batch, global_batch_size=2, mask_offpolicy=True, **kw)
+    assert out.shards[0][0].loss_mask.tolist() == [0.0] * (r - 1) + [1.0]
+    assert out.num_tokens == [1 + whole.response_length] and out.masked_offpolicy == r - 1
+    plain = losses.shard_batch(batch, global_batch_size=2, **kw)
+    assert plain.num_tokens == [r + whole.response_length] and plain.masked_offpolicy == 0

@@ -150,6 +150,11 @@ METRICS: tuple[MetricSpec, ...] = (
         "Mean absolute advantage of the batch's samples.",
         "miles_aio.trainer.actor",
     ),
+    _m(
+        "train/masked_offpolicy_tokens",
+        "Tokens --mask-offpolicy-in-partial-rollout took out of the loss (older than the response's end).",
+        "miles_aio.trainer.actor",
+    ),
     _m("train/tokens", "Trained (loss-mask 1) tokens.", _LOSS),
     _m("train/loss", "The loss, per trained token.", _LOSS),
     _m("train/pg_loss", "Policy-gradient part of the loss, per token.", _LOSS),

@@ -346,6 +346,7 @@ class TrainerActor:
             reward_key=cfg.reward_key,
             global_batch_size=cfg.resolved_global_batch_size(n),
             dp_size=self._dp_size,
+            mask_offpolicy=cfg.mask_offpolicy_in_partial_rollout,
         )
         encoded = [protocol.encode_batch(rows) for rows in step_data.shards]
         per_rank: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {
@@ -356,6 +357,8 @@ class TrainerActor:
         )
         metrics: dict[str, float] = replies[0].header["metrics"]
         metrics["train/advantage_abs_mean"] = sum(map(abs, step_data.advantages)) / max(n, 1)
+        if cfg.mask_offpolicy_in_partial_rollout:
+            metrics["train/masked_offpolicy_tokens"] = float(step_data.masked_offpolicy)
         return metrics
 
     async def sync_weights(self, engine: InferenceEngine, *, version: int) -> None:

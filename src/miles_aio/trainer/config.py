@@ -173,6 +173,11 @@ class TrainConfig:
         False, "Off-policy sequence masking: drop negative-advantage sequences whose KL(π_old‖π) > delta."
     )
     opsm_delta: float = opt(1e-4, "OPSM sequence-level KL threshold.")
+    mask_offpolicy_in_partial_rollout: bool = opt(
+        False,
+        "Train only on the tokens of a response that its newest policy version produced: tokens from "
+        "before a weight push it spanned (partial rollout, retract, in_place) get loss mask 0.",
+    )
     allow_uncorrected_off_policy: bool = opt(
         False, "Allow a fully async run with no off-policy correction at all (not recommended)."
     )

@@ -533,6 +533,8 @@ class StepShards:
     shards: list[list[TrainRow]]
     num_tokens: list[float]
     advantages: list[float]
+    masked_offpolicy: int = 0
+    """Trainable tokens masked by --mask-offpolicy-in-partial-rollout."""
 
 
 def shard_batch(
@@ -543,27 +545,42 @@ def shard_batch(
     reward_key: str | None,
     global_batch_size: int,
     dp_size: int,
+    mask_offpolicy: bool = False,
 ) -> StepShards:
     """Advantages over all of the step's groups (so every rank sees the same ones), then samples in
-    order: optimizer step j takes samples [j·gbs, (j+1)·gbs), and dp rank d its d-th equal slice."""
+    order: optimizer step j takes samples [j·gbs, (j+1)·gbs), and dp rank d its d-th equal slice.
+    `mask_offpolicy` (--mask-offpolicy-in-partial-rollout): `newest_version_mask` on every sample."""
     samples = [s for g in batch for s in g]
     rewards = [[scalar_reward(s.reward, reward_key) for s in g] for g in batch]
     grouped = compute_advantages(rewards, estimator, std_normalization=std_normalization)
     advantages = [a for g in grouped for a in g]
     per_dp = global_batch_size // dp_size
+    masked_offpolicy = 0
     shards: list[list[TrainRow]] = [[] for _ in range(dp_size)]
     num_tokens = [0.0] * (len(samples) // global_batch_size)
     for i, (s, adv) in enumerate(zip(samples, advantages, strict=True)):
         s.validate()
         j = i // global_batch_size
+        mask = newest_version_mask(s) if mask_offpolicy else s.loss_mask
+        masked_offpolicy += sum(s.loss_mask) - sum(mask)
         row = TrainRow(
             tokens=torch.tensor(s.tokens, dtype=torch.int64),
             response_length=s.response_length,
-            loss_mask=torch.tensor(s.loss_mask, dtype=torch.float32),
+            loss_mask=torch.tensor(mask, dtype=torch.float32),
             rollout_logp=torch.tensor(s.rollout_log_probs, dtype=torch.float32),
             advantage=adv,
             opt_step=j,
         )
         shards[(i % global_batch_size) // per_dp].append(row)
-        num_tokens[j] += float(sum(s.loss_mask))
-    return StepShards(shards, num_tokens, advantages)
+        num_tokens[j] += float(sum(mask))
+    return StepShards(shards, num_tokens, advantages, masked_offpolicy)
+
+
+def newest_version_mask(s: Sample) -> list[int]:
+    """`s.loss_mask` with 0 on every token an older policy produced than the response's newest token
+    (tokens of unknown version, before the first push, count as older once a known version exists)."""
+    known = [v for v in s.weight_versions if v is not None]
+    if not known:
+        return list(s.loss_mask)
+    newest = max(known)
+    return [m if v == newest else 0 for m, v in zip(s.loss_mask, s.weight_versions, strict=True)]
