@@ -71,6 +71,9 @@ class WandbSink:
             settings=wandb.Settings(silent=True, x_disable_stats=True, disable_git=True, console="off"),
             reinit="create_new",
         )
+        # eval/* is charted against the training step its weights came from (modes 2 and 3 land later)
+        self._run.define_metric("eval/step")
+        self._run.define_metric("eval/*", step_metric="eval/step")
 
     @property
     def run_dir(self) -> Path | None:
