@@ -17,7 +17,12 @@ from typing import Any, Final, Literal
 from miles_aio._fields import flag, opt
 from miles_aio.errors import ConfigError
 from miles_aio.observability.config import ObservabilityConfig
-from miles_aio.trainer.config import TrainConfig, check_batch_arithmetic, check_off_policy_correction
+from miles_aio.trainer.config import (
+    TrainConfig,
+    check_batch_arithmetic,
+    check_off_policy_correction,
+    with_run_lr_decay,
+)
 
 __all__ = [
     "BufferConfig",
@@ -408,15 +413,7 @@ class RunConfig:
             )
         samples_per_step = self.rollout.rollout_batch_size * n
         check_batch_arithmetic(self.train, samples_per_step)
-        t = self.train
-        if t.lr_decay_style != "constant" and t.lr_decay_iters is None:  # Megatron: decay over the run
-            total = self.driver.num_rollout * t.optimizer_steps(samples_per_step)
-            if total <= t.lr_warmup_iters:
-                raise ConfigError(
-                    f"the run's {total} optimizer steps end before the {t.lr_warmup_iters}-step warmup",
-                    flags=["--lr-warmup-iters", "--num-rollout", "--lr-decay-style"],
-                )
-            object.__setattr__(self, "train", dataclasses.replace(t, lr_decay_iters=total))
+        with_run_lr_decay(self.train, num_rollout=self.driver.num_rollout, samples_per_step=samples_per_step)
         check_off_policy_correction(self.train, fully_async=True)
         if self.buffer_capacity_groups < 1:
             raise ConfigError(

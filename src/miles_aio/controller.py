@@ -218,7 +218,7 @@ class Controller:
                 self.ledger.record("trained", item.group_index, step=step)
             train_s = loop.time() - t_train
             sync_s, eval_s, done = 0.0, 0.0, step + 1
-            if done % cfg.update_weights_interval == 0:
+            if done % cfg.update_weights_interval == 0 or done == n:  # the run ends on pushed weights
                 if self._next_drain is not None:
                     t_wait = loop.time()
                     if not await self._await_drain(self._next_drain):  # one version per batch: drain first

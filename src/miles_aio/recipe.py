@@ -233,10 +233,15 @@ def main(recipe: Recipe, argv: Sequence[str] | None = None) -> RunSummary | None
     except ConfigError as e:
         config_error_exit(parser, e)
     configure_logging(ns.log_format, ns.log_level)
-    if cfg.driver.load is not None and not has_checkpoint(cfg.driver.load):
-        # miles (Megatron) semantics, so `--load X --save X` works on the first run too
-        log.warning("no checkpoint under --load: starting fresh", load=str(cfg.driver.load))
-        cfg = cfg.replace(driver=dataclasses.replace(cfg.driver, load=None))
+    d = cfg.driver
+    if d.load is not None and not has_checkpoint(d.load):
+        # miles' `--load X --save X` on its first run starts fresh; any other --load without a checkpoint
+        # (a typo, the wrong directory) is an error rather than a silent restart from scratch
+        if d.save is None or d.load.resolve() != d.save.resolve():
+            what = f"{d.load} holds no checkpoint; an empty --load starts fresh only when it is also --save"
+            config_error_exit(parser, ConfigError(what, flags=["--load", "--save"]))
+        log.warning("no checkpoint under --load (= --save) yet: starting fresh", load=str(d.load))
+        cfg = cfg.replace(driver=dataclasses.replace(d, load=None))
     if ns.dry_run:
         plan = describe_plan(cfg, recipe, ns, len(records))
         plan["eval"] = {name: len(recs) for name, recs in eval_datasets.items()} | {
@@ -293,6 +298,10 @@ async def _run(
                 summary = await controller.run()
             finally:
                 stopper.controller = None
+    except asyncio.CancelledError:
+        if stopper.received:  # a signal outside the steps (start-up, teardown): everything is down
+            raise SystemExit(128 + stopper.received[0]) from None
+        raise
     finally:
         stopper.remove()
     pngs = plot_run(cfg.run_dir)

@@ -122,3 +122,24 @@ def test_a_crashing_point_is_skipped_and_training_goes_on(vrun: Any, tmp_path: P
     assert [m["eval/step"] for m in lines if "eval/step" in m] == [0.0, 4.0]  # the point at 2 crashed
     assert [m["step"] for m in lines if "eval/skipped_crashed" in m] == [2]
     assert sum(m.get("eval/skipped_crashed", 0) for m in lines) == 1
+
+
+def test_the_run_ends_on_pushed_weights_so_the_final_point_sees_them(vrun: Any, tmp_path: Path) -> None:
+    """--update-weights-interval 2 over 3 steps: the last step still pushes, so the final eval point
+    (mode 1, on the rollout engines) evaluates the trained weights, not the ones pushed a step earlier."""
+    cfg = make_config(tmp_path / "run", num_rollout=3, eval_interval=2, update_weights_interval=2)
+    trainer = FakeTrainer(step_time_s=1.0)
+    controller = Controller(
+        cfg,
+        engine=FakeLatencyEngine(LogNormalLatency(1.0, 8.0), tokens_per_s=10, seed=5),
+        trainer=trainer,
+        source=make_source(n=2),
+        plugins=resolve_plugins(cfg),
+        tokenizer=FakeTokenizer(),
+        evals=EvalDispatcher(CrashOnSecondPoint(), interval=2, final_step=3),
+    )
+    vrun(controller.run())
+    assert trainer.synced_versions == [1, 2, 3]  # initial, after step 2, and after the last step
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    points = [(m["eval/step"], m["eval/version"]) for m in lines if "eval/step" in m]
+    assert points == [(0.0, 1.0), (3.0, 3.0)]  # the point at 2 crashed (skipped); the final one is v3

@@ -143,9 +143,14 @@ def test_valid_returns_pass_and_several_samples_are_kept_when_the_step_takes_any
     assert [s.status for s in out] == [Status.COMPLETED] * 2
     out = vrun(make_pool(two_generate, one_reward).run_group(prompt_group(), on_sample_done=lambda: None))
     assert len(out) == 4 and all(s.status == Status.COMPLETED and s.reward == 1.0 for s in out)
-    # no reward function: generate owns the reward, None is allowed (e.g. a trainer that ignores it)
-    out = vrun(make_pool(ok_generate, None).run_group(prompt_group(), on_sample_done=lambda: None))
-    assert [s.reward for s in out] == [None, None]
+    # no reward function: generate owns the reward, and must set one (the trainer needs it)
+    out = vrun(
+        make_pool(ok_generate, None, rollout_failure_policy="drop").run_group(
+            prompt_group(), on_sample_done=lambda: None
+        )
+    )
+    assert [s.status for s in out] == [Status.FAILED] * 2
+    assert "no --custom-rm-path" in out[0].metadata["error"]
 
 
 def test_eval_samples_get_only_the_structural_checks(vrun: Any) -> None:

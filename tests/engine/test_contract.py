@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import httpx
 import pytest
+from tokenizers import Tokenizer
 
+from miles_aio.inference.local.server import stop_match_text
+from miles_aio.models.tiny import build_tiny_llama
 from tests.engine.helpers import EngineProcess, check_response, generate, logprobs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
@@ -268,3 +272,14 @@ def test_client_disconnect_aborts_the_request(client: httpx.Client, engine: Engi
         assert client.get("/server_info").json()["internal_states"][0]["num_running_reqs"] == 0
     finally:
         client.post("/slow_down", json={"forward_sleep_time": None})
+
+
+def test_stop_strings_see_special_tokens(tmp_path: Path) -> None:
+    """SGLang matches stop strings on text decoded with special tokens kept, so `--rollout-stop "</s>"`
+    (or "<|im_end|>") can match; the response text follows skip_special_tokens on its own."""
+    model = build_tiny_llama(tmp_path / "m", alphabet="ab", hidden_size=16, num_heads=2, num_kv_heads=1)
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    eos = tok.token_to_id("</s>")
+    assert stop_match_text(tok, [3, eos]).endswith("</s>")
+    assert "</s>" not in tok.decode([3, eos], skip_special_tokens=True)  # what the old matching saw
+    assert stop_match_text(None, [3, eos]) == ""

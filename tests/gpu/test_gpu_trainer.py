@@ -113,7 +113,9 @@ def test_hf_and_megatron_train_steps_on_cuda(model_dir: Path, tmp_path: Path) ->
         loaded.state_dict()["lm_head.weight"], hf["w1"]["lm_head.weight"], atol=0, rtol=0
     )
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
-    mg = asyncio.run(_step(_cfg(model_dir, train_backend="megatron"), tmp_path / "mg"))
+    # REINFORCE++ with --kl-coef: the megatron backend also builds its frozen reference model on CUDA
+    rpp = {"advantage_estimator": "reinforce_plus_plus", "kl_coef": 0.05, "normalize_advantages": True}
+    mg = asyncio.run(_step(_cfg(model_dir, train_backend="megatron", **rpp), tmp_path / "mg"))
     _check_step(mg)
     assert mg["wrapper"].startswith("megatron")
     # Same initial weights, both under bf16 autocast: log-probs agree to bf16 precision.

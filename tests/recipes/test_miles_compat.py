@@ -21,7 +21,7 @@ def test_load_and_save_on_the_same_empty_directory_starts_fresh(tmp_path: Path) 
     ckpt = tmp_path / "ckpt"
     proc = dry_run("--run-dir", str(tmp_path / "run"), "--load", str(ckpt), "--save", str(ckpt))
     assert proc.returncode == 0, proc.stderr
-    assert "no checkpoint under --load: starting fresh" in proc.stderr
+    assert "no checkpoint under --load (= --save) yet: starting fresh" in proc.stderr
     plan = json.loads(proc.stdout)["checkpoints"]
     assert (plan["save"], plan["load"]) == (str(ckpt), None)
     (ckpt / "step_3").mkdir(parents=True)
@@ -30,6 +30,10 @@ def test_load_and_save_on_the_same_empty_directory_starts_fresh(tmp_path: Path) 
     assert proc.returncode == 0, proc.stderr
     assert "starting fresh" not in proc.stderr
     assert json.loads(proc.stdout)["checkpoints"]["load"] == str(ckpt / "step_3")
+    # any other --load without a checkpoint (a typo) is an error, not a silent fresh start
+    proc = dry_run("--run-dir", str(tmp_path / "run"), "--load", str(tmp_path / "ckpnt"), "--save", str(ckpt))
+    assert proc.returncode == 2
+    assert "--load" in proc.stderr and "holds no checkpoint" in proc.stderr
 
 
 @pytest.mark.timeout(60)

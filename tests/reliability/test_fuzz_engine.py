@@ -38,7 +38,7 @@ from miles_aio.rollout.pool import RolloutPool
 from miles_aio.rollout.single_turn import generate as single_turn_generate
 from miles_aio.testing import FakeTokenizer, FakeTrainer
 from miles_aio.types import GenerateOutput, Sample, Status
-from tests.helpers import make_config, make_source
+from tests.helpers import length_reward, make_config, make_source
 
 NESTED = b"<nested>"
 """A body marker the server sends as JSON nested too deep for any decoder (kept short in reprs)."""
@@ -362,7 +362,7 @@ def test_pool_marks_each_failed_engine_call_aborted_and_keeps_the_rest_valid(
     ctx = RolloutContext(
         engine=env.client, tokenizer=FakeTokenizer(), config=cfg, log=structlog.get_logger("fuzz")
     )
-    pool = RolloutPool(ctx=ctx, generate_fn=single_turn_generate, reward_fn=None)
+    pool = RolloutPool(ctx=ctx, generate_fn=single_turn_generate, reward_fn=length_reward)
     group = make_source(n=len(answers)).next_group()
     done: list[int] = []
 

@@ -136,3 +136,22 @@ def test_sigkill_of_the_controller_then_load_loses_and_duplicates_nothing(tmp_pa
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == target - 1
     assert os.path.exists(run_dir / "checkpoints" / f"step_{target - 1}")
+
+
+@pytest.mark.timeout(120)
+def test_a_signal_during_start_up_exits_cleanly_and_leaves_no_process(tmp_path: Path) -> None:
+    """SIGTERM while the engines start (before the first step): exit 143 with no traceback, nothing left."""
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, "--num-rollout", "5")
+    try:
+        wait_for(lambda: (run_dir / "logs" / "engine-0.log").exists(), 90, "the engine launch")
+        children = descendants(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    assert "Traceback" not in stderr, stderr[-2000:]
+    wait_for(lambda: not [p for p in children if alive(p)], 10, "the children to be gone")
+    assert not (run_dir / "metrics.jsonl").exists()  # no step ran

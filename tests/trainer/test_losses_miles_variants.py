@@ -12,7 +12,7 @@ import torch
 
 from miles_aio.errors import ConfigError
 from miles_aio.trainer import losses
-from miles_aio.trainer.config import TrainConfig
+from miles_aio.trainer.config import TrainConfig, with_run_lr_decay
 from miles_aio.trainer.losses import LossSettings
 from tests.helpers import make_config
 
@@ -229,7 +229,8 @@ def test_lr_schedule_follows_megatron() -> None:
 
 
 def test_decay_iters_default_to_the_whole_run_as_megatron() -> None:
-    """--lr-decay-iters unset: the decay ends at the run's last optimizer step (Megatron: train_iters)."""
+    """--lr-decay-iters unset: the decay ends at the run's last optimizer step (Megatron: train_iters),
+    resolved when the trainer starts from the run it trains (never baked into a config copy)."""
     # 4 groups × 4 samples per rollout, global batch 8: 2 optimizer steps per rollout, 5 rollouts
     cfg = make_config(
         num_rollout=5,
@@ -240,10 +241,16 @@ def test_decay_iters_default_to_the_whole_run_as_megatron() -> None:
         lr_decay_style="linear",
         lr_warmup_iters=2,
     )
-    assert cfg.train.lr_decay_iters == 10
-    assert cfg.train.lr_at(10) == pytest.approx(0.0) and cfg.train.lr_at(6) == pytest.approx(0.5)
-    assert make_config(lr_decay_style="linear", lr_decay_iters=7).train.lr_decay_iters == 7  # as given
-    assert make_config().train.lr_decay_iters is None  # constant: nothing to decay
+    assert cfg.train.lr_decay_iters is None
+    train = with_run_lr_decay(cfg.train, num_rollout=5, samples_per_step=16)
+    assert train.lr_decay_iters == 10
+    assert train.lr_at(10) == pytest.approx(0.0) and train.lr_at(6) == pytest.approx(0.5)
+    assert with_run_lr_decay(cfg.train, num_rollout=20, samples_per_step=16).lr_decay_iters == 40
+    given = make_config(lr_decay_style="linear", lr_decay_iters=7).train
+    assert with_run_lr_decay(given, num_rollout=50, samples_per_step=4).lr_decay_iters == 7  # as given
+    constant = make_config().train
+    assert with_run_lr_decay(constant, num_rollout=5, samples_per_step=4).lr_decay_iters is None
+    make_config(num_rollout=0, lr_decay_style="cosine", lr_warmup_iters=3)  # nothing to train: fine
     with pytest.raises(ConfigError) as info:
         make_config(num_rollout=3, lr_decay_style="cosine", lr_warmup_iters=3)
     assert "--lr-warmup-iters" in str(info.value) and "--num-rollout" in str(info.value)

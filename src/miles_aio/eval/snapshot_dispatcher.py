@@ -16,7 +16,8 @@ Per point:
                        `collect()` with `eval/lag_steps` = steps trained meanwhile. Never fails the run:
                        `EvalSkip(reason)` → `eval/skipped_<reason>`, any other exception →
                        `eval/skipped_crashed` (CancelledError propagates). Then its exported snapshot is
-                       handed to the `SnapshotRetirer`.
+                       handed to the `SnapshotRetirer`, in a task of its own (the trainer's rank 0
+                       deletes it, after the command it is running), so the point settles at once.
 Weight pushes never wait for points; only the final step's `wait_before_push` awaits every pending one,
 so the last points land in the last record (several points settling in one step window are merged
 there: the newest wins; every point is kept in `results`). With `--update-weights-interval` > 1 a
@@ -75,6 +76,7 @@ class SnapshotEvalDispatcher:
         self._max_in_flight = max_in_flight
         self._overflow = overflow_policy
         self.retirer = SnapshotRetirer(keep_snapshots, source)
+        self._tg: asyncio.TaskGroup | None = None  # the controller's, from dispatch()
         self._lock = asyncio.Lock()
         self._prepared: dict[int, _Point] = {}
         self._pending: list[asyncio.Task[None]] = []
@@ -145,6 +147,7 @@ class SnapshotEvalDispatcher:
         if point.skip is not None:
             self._skip(point.step, point.skip)
             return
+        self._tg = tg
         self._pending.append(tg.create_task(self._run(point, version), name=f"eval-step-{steps_done}"))
 
     async def _run(self, point: _Point, version: int) -> None:
@@ -188,7 +191,16 @@ class SnapshotEvalDispatcher:
                 lag_steps=self._steps_seen - point.step,
                 **{k.split("/", 1)[1]: round(v, 4) for k, v in metrics.items() if "accuracy" in k},
             )
-        await self.retirer.retire(point.snapshot)
+        # Retirement deletes through the trainer's rank 0, which may be busy training: in its own task
+        # (the controller's group), so this point settles and frees its in-flight slot now.
+        assert self._tg is not None
+        self._tg.create_task(self._retire(point.snapshot), name=f"eval-retire-{point.step}")
+
+    async def _retire(self, snapshot: Snapshot | None) -> None:
+        try:
+            await self.retirer.retire(snapshot)
+        except Exception as e:  # a snapshot left on disk must not stop training; cancellation propagates
+            log.warning("eval snapshot not retired", error=repr(e))
 
     def _skip(self, step: int, reason: str) -> None:
         log.warning("eval point skipped", step=step, reason=reason)

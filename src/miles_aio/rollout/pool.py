@@ -201,7 +201,10 @@ class RolloutPool:
         if reward is None:
             if self._reward is not None:
                 raise InvalidSampleError(f"the reward function returned None for sample {s.index}")
-            return  # no reward function: generate owns the reward (a trainer without rewards is fine)
+            raise InvalidSampleError(  # the trainer needs one: say so now, not at the training step
+                f"sample {s.index} has no reward: there is no --custom-rm-path, so generate must set "
+                "sample.reward"
+            )
         key = self.ctx.config.train.reward_key
         what = "reward"
         if isinstance(reward, Mapping):

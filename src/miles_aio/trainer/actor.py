@@ -40,7 +40,7 @@ from miles_aio.errors import ConfigError, MilesAioError
 from miles_aio.inference.base import InferenceEngine
 from miles_aio.trainer import losses, protocol
 from miles_aio.trainer.channel import AsyncChannel, ChannelListener
-from miles_aio.trainer.config import TrainConfig, check_batch_arithmetic
+from miles_aio.trainer.config import TrainConfig, check_batch_arithmetic, with_run_lr_decay
 from miles_aio.trainer.protocol import Message
 from miles_aio.trainer.rank_main import CONTROLLER_ENV, PARENT_ENV, THREADS_ENV
 from miles_aio.types import Group
@@ -130,6 +130,10 @@ class TrainerActor:
             secret = protocol.new_secret()
         if train_cfg.hf_checkpoint is None:
             raise ConfigError("the trainer needs an initial model", flags=["--hf-checkpoint"])
+        if run_cfg is not None:  # the lr decay ends with the run, unless --lr-decay-iters says otherwise
+            samples = run_cfg.rollout.rollout_batch_size * run_cfg.rollout.n_samples_per_prompt
+            num = run_cfg.driver.num_rollout
+            train_cfg = with_run_lr_decay(train_cfg, num_rollout=num, samples_per_step=samples)
         listener = ChannelListener(secret, host=train_cfg.trainer_host, port=train_cfg.trainer_port)
         # abspath: the engines and the ranks get absolute paths whatever their cwd
         run_dir = Path(os.path.abspath(run_dir))  # noqa: ASYNC240 - no I/O beyond getcwd, once per run

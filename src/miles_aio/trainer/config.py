@@ -30,6 +30,7 @@ __all__ = [
     "TransferMode",
     "check_batch_arithmetic",
     "check_off_policy_correction",
+    "with_run_lr_decay",
 ]
 
 TrainBackend = Literal["fsdp", "megatron"]
@@ -135,7 +136,8 @@ class TrainConfig:
     kl_coef: float = opt(
         0.0,
         "Reward shaping for --advantage-estimator reinforce_plus_plus: every token's reward gets "
-        "-kl_coef × (log π_old − log π_ref) (loads the reference model; other estimators refuse it).",
+        "-kl_coef × KL(π_old‖π_ref), estimated per token with --kl-loss-type as miles does (loads the "
+        "reference model; other estimators refuse it).",
     )
     disable_grpo_std_normalization: bool = opt(
         False, "GRPO: only mean-centre rewards per group (Dr.GRPO), do not divide by the group std."
@@ -170,7 +172,9 @@ class TrainConfig:
         False, "Use the engine's rollout log-probs as π_old (no recompute): PPO against the behaviour policy."
     )
     use_opsm: bool = opt(
-        False, "Off-policy sequence masking: drop negative-advantage sequences whose KL(π_old‖π) > delta."
+        False,
+        "Off-policy sequence masking: drop negative-advantage sequences whose KL(π_rollout‖π), the mean "
+        "of log π_rollout − log π over the sequence, exceeds --opsm-delta.",
     )
     opsm_delta: float = opt(1e-4, "OPSM sequence-level KL threshold.")
     mask_offpolicy_in_partial_rollout: bool = opt(
@@ -389,6 +393,22 @@ class TrainConfig:
 def _require(ok: bool, name: str, message: str) -> None:
     if not ok:
         raise ConfigError(message, flags=[flag(name)])
+
+
+def with_run_lr_decay(train_cfg: TrainConfig, *, num_rollout: int, samples_per_step: int) -> TrainConfig:
+    """`train_cfg` with Megatron's default decay end (`--lr-decay-iters` unset: the run's last optimizer
+    step, num_rollout × optimizer steps per rollout) filled in for a linear/cosine schedule. Resolved
+    when the trainer starts, from the run it trains, so a config copied with another run length never
+    keeps a stale decay end."""
+    total = num_rollout * train_cfg.optimizer_steps(samples_per_step)
+    if train_cfg.lr_decay_style == "constant" or train_cfg.lr_decay_iters is not None or total == 0:
+        return train_cfg
+    if total <= train_cfg.lr_warmup_iters:
+        raise ConfigError(
+            f"the run's {total} optimizer steps end before the {train_cfg.lr_warmup_iters}-step warmup",
+            flags=["--lr-warmup-iters", "--num-rollout", "--lr-decay-style"],
+        )
+    return dataclasses.replace(train_cfg, lr_decay_iters=total)
 
 
 def check_batch_arithmetic(train_cfg: TrainConfig, samples_per_step: int) -> None:

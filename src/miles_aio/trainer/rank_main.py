@@ -195,7 +195,7 @@ class RankWorker:
             flat_old = [t for s in old for t in s]
             flat_ref = [t for s in ref for t in s] if ref is not None else [None] * len(mbs)
             for mb, o, r in zip(mbs, flat_old, flat_ref, strict=True):
-                kl = None if r is None else o - r
+                kl = None if r is None else losses.kl_estimate(o, r, cfg.kl_loss_type)  # as miles
                 mb.advantages = losses.reinforce_pp_returns(
                     mb.advantages, mb.mask, kl=kl, kl_coef=cfg.kl_coef
                 )

@@ -18,6 +18,7 @@ abort in-flight requests (they answer with finish_reason abort) and stop.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import secrets
@@ -63,9 +64,6 @@ async def serve(cfg: ServerConfig) -> None:
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-compute")
     runner = ModelRunner(model, max_running=cfg.max_running_requests, context_len=context_len)
 
-    def detokenize(ids: list[int]) -> str:
-        return tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ""
-
     state = ServerState(
         cfg=cfg,
         model=model,
@@ -76,7 +74,7 @@ async def serve(cfg: ServerConfig) -> None:
         engine=LocalEngine(
             runner,
             executor=executor,
-            detokenize=detokenize,
+            detokenize=functools.partial(stop_match_text, tokenizer),
             context_len=context_len,
             weight_version=cfg.weight_version,
             prefix_cache_entries=cfg.prefix_cache_entries,
@@ -194,3 +192,9 @@ async def _error_middleware(request: web.Request, handler: Handler) -> web.Strea
         return web.json_response(
             {"error": {"message": f"internal error: {type(exc).__name__}: {exc}"}}, status=500
         )
+
+
+def stop_match_text(tokenizer: Tokenizer | None, ids: list[int]) -> str:
+    """The text stop strings are matched against: special tokens kept, as SGLang does, so a stop string
+    such as "<|im_end|>" matches (the response text follows `skip_special_tokens` separately)."""
+    return tokenizer.decode(ids, skip_special_tokens=False) if tokenizer is not None else ""
