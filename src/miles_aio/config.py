@@ -113,8 +113,9 @@ class RolloutConfig:
     sglang_server_concurrency: int = opt(512, "Concurrent generate calls per engine (the limiter's size).")
     rollout_failure_policy: Literal["fail", "drop", "retry"] = opt(
         "fail",
-        "When user code (generate, reward, dynamic filter) raises: stop the run (fail, loudly), drop the "
-        "group (counted, traceback logged), or retry its prompt later.",
+        "When user code (generate, reward, group reward, dynamic filter) raises or returns something "
+        "unusable: stop the run (fail, loudly), drop the group (counted, traceback logged), or retry its "
+        "prompt later.",
     )
 
     def __post_init__(self) -> None:

@@ -147,7 +147,7 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("train/optimizer_steps", "Optimizer steps in this rollout.", _RANK),
     _m(
         "train/advantage_abs_mean",
-        "Mean absolute advantage of the batch's samples.",
+        "Mean absolute per-sample advantage, controller side (reinforce_plus_plus: the raw rewards).",
         "miles_aio.trainer.actor",
     ),
     _m(
