@@ -47,22 +47,34 @@ def test_two_ranks_equal_one_rank(model_dir: Path, tmp_path: Path) -> None:
 
 @pytest.mark.timeout(90)
 def test_save_load_resume_equals_uninterrupted(model_dir: Path, tmp_path: Path) -> None:
-    cfg = _cfg(model_dir, lr=1e-2)
+    """Weights, optimizer, RNG and the lr schedule's position survive save → load: the resumed run
+    lands where the uninterrupted one does. 8 samples per train call, global batch 4: two optimizer
+    steps per call; warmup 1 then linear decay to 0 at step 5 with lr 1e-2: steps 0..3 train at
+    0, 1e-2, 0.75e-2, 0.5e-2 (Megatron's schedule: the warmup's first step is at lr 0)."""
+    cfg = _cfg(model_dir, lr=1e-2, lr_decay_style="linear", lr_warmup_iters=1, lr_decay_iters=5)
     ckpt, export = tmp_path / "ckpt" / "step_0", tmp_path / "export"
 
-    async def interrupted() -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+    async def interrupted() -> tuple[dict[str, torch.Tensor], list[torch.Tensor], list[float]]:
         async with TrainerActor.open(cfg, run_dir=tmp_path / "a") as actor:
-            await actor.train(0, make_batch(0))
+            first = await actor.train(0, make_batch(0))
             await actor.save(0, ckpt)
             await actor.export_hf(export)
             lp = await actor.logprobs([make_batch(5)[0][0].tokens], [3])
         async with TrainerActor.open(cfg, run_dir=tmp_path / "b") as actor:
             assert await actor.load(ckpt) == 0
-            await actor.train(1, make_batch(1))
-            return await actor.get_weights(), lp
+            second = await actor.train(1, make_batch(1))
+            return await actor.get_weights(), lp, [first["train/lr"], second["train/lr"]]
 
-    resumed, lp = run(interrupted())
-    straight, _ = run(_train(cfg, tmp_path / "c", steps=2))
+    async def straight_run() -> tuple[dict[str, torch.Tensor], list[float]]:
+        async with TrainerActor.open(cfg, run_dir=tmp_path / "c") as actor:
+            lrs = [(await actor.train(s, make_batch(s)))["train/lr"] for s in range(2)]
+            return await actor.get_weights(), lrs
+
+    resumed, lp, resumed_lrs = run(interrupted())
+    straight, straight_lrs = run(straight_run())
+    # train/lr is the lr of the call's last optimizer step: steps 1 and 3
+    assert straight_lrs == pytest.approx([1e-2, 0.5e-2])
+    assert resumed_lrs == pytest.approx(straight_lrs)
     for k in straight:
         torch.testing.assert_close(resumed[k], straight[k], atol=1e-6, rtol=0, msg=k)
 

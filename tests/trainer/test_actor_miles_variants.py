@@ -1,6 +1,6 @@
-"""The miles variants through real rank processes (CPU, gloo, the tiny HF Llama): the lr schedule
-resumes from a checkpoint exactly where the uninterrupted run is, and REINFORCE++ with --kl-coef (which
-loads the reference model) and GSPO with dual clip train end to end, on megatron as on HF."""
+"""The miles variants through real rank processes (CPU, gloo, the tiny HF Llama): REINFORCE++ with
+--kl-coef (which loads the reference model) and GSPO with dual clip train end to end, on megatron as on
+HF, under a cosine lr schedule. (The schedule's resume is checked in test_actor's save/load test.)"""
 
 from __future__ import annotations
 
@@ -24,30 +24,6 @@ async def _train(
     async with TrainerActor.open(cfg, run_dir=run_dir) as actor:
         metrics = [await actor.train(s, make_batch(s)) for s in range(steps)]
         return await actor.get_weights(), metrics
-
-
-@pytest.mark.timeout(120)
-def test_lr_schedule_resumes_where_the_uninterrupted_run_is(model_dir: Path, tmp_path: Path) -> None:
-    # 8 samples per train, global batch 4: two optimizer steps per train call. Warmup 1, linear decay
-    # to 0 at step 5 with lr 1e-2: steps 0..3 train at 0, 1e-2, 0.75e-2, 0.5e-2.
-    cfg = _cfg(model_dir, lr=1e-2, lr_decay_style="linear", lr_warmup_iters=1, lr_decay_iters=5)
-    ckpt = tmp_path / "ckpt" / "step_0"
-
-    async def interrupted() -> tuple[dict[str, torch.Tensor], list[dict[str, float]]]:
-        async with TrainerActor.open(cfg, run_dir=tmp_path / "a") as actor:
-            first = await actor.train(0, make_batch(0))
-            await actor.save(0, ckpt)
-        async with TrainerActor.open(cfg, run_dir=tmp_path / "b") as actor:
-            assert await actor.load(ckpt) == 0
-            second = await actor.train(1, make_batch(1))
-            return await actor.get_weights(), [first, second]
-
-    resumed, m_resumed = run(interrupted())
-    straight, m_straight = run(_train(cfg, tmp_path / "c", steps=2))
-    assert [m["train/lr"] for m in m_straight] == pytest.approx([1e-2, 0.5e-2])
-    assert [m["train/lr"] for m in m_resumed] == pytest.approx([1e-2, 0.5e-2])
-    for k in straight:
-        torch.testing.assert_close(resumed[k], straight[k], atol=1e-6, rtol=0, msg=k)
 
 
 @pytest.mark.timeout(180)
