@@ -90,6 +90,19 @@ def test_shared_engine_eval_keeps_rollout_producing_and_never_mixes_versions(
     assert any(m["eval/push_wait_seconds"] > 0 for m in lines if "eval/step" in m)  # a push waited
 
 
+def controller_with(cfg: Any, evals: EvalDispatcher, trainer: FakeTrainer | None = None) -> Controller:
+    """A controller over the fake engine and trainer, with the given eval dispatcher."""
+    return Controller(
+        cfg,
+        engine=FakeLatencyEngine(LogNormalLatency(1.0, 8.0), tokens_per_s=10, seed=5),
+        trainer=trainer or FakeTrainer(step_time_s=1.0),
+        source=make_source(n=2),
+        plugins=resolve_plugins(cfg),
+        tokenizer=FakeTokenizer(),
+        evals=evals,
+    )
+
+
 class CrashOnSecondPoint:
     """An eval whose user code raises on its second point."""
 
@@ -106,17 +119,7 @@ class CrashOnSecondPoint:
 def test_a_crashing_point_is_skipped_and_training_goes_on(vrun: Any, tmp_path: Path) -> None:
     """As in modes 2 and 3: a crashed point is `eval/skipped_crashed`, not the end of the run."""
     cfg = make_config(tmp_path / "run", num_rollout=4, eval_interval=2)
-    evals = EvalDispatcher(CrashOnSecondPoint(), interval=2, final_step=4)
-    controller = Controller(
-        cfg,
-        engine=FakeLatencyEngine(LogNormalLatency(1.0, 8.0), tokens_per_s=10, seed=5),
-        trainer=FakeTrainer(step_time_s=1.0),
-        source=make_source(n=2),
-        plugins=resolve_plugins(cfg),
-        tokenizer=FakeTokenizer(),
-        evals=evals,
-    )
-    summary = vrun(controller.run())
+    summary = vrun(controller_with(cfg, EvalDispatcher(CrashOnSecondPoint(), interval=2, final_step=4)).run())
     assert summary.steps == 4
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["eval/step"] for m in lines if "eval/step" in m] == [0.0, 4.0]  # the point at 2 crashed
@@ -129,16 +132,7 @@ def test_the_run_ends_on_pushed_weights_so_the_final_point_sees_them(vrun: Any, 
     (mode 1, on the rollout engines) evaluates the trained weights, not the ones pushed a step earlier."""
     cfg = make_config(tmp_path / "run", num_rollout=3, eval_interval=2, update_weights_interval=2)
     trainer = FakeTrainer(step_time_s=1.0)
-    controller = Controller(
-        cfg,
-        engine=FakeLatencyEngine(LogNormalLatency(1.0, 8.0), tokens_per_s=10, seed=5),
-        trainer=trainer,
-        source=make_source(n=2),
-        plugins=resolve_plugins(cfg),
-        tokenizer=FakeTokenizer(),
-        evals=EvalDispatcher(CrashOnSecondPoint(), interval=2, final_step=3),
-    )
-    vrun(controller.run())
+    vrun(controller_with(cfg, EvalDispatcher(CrashOnSecondPoint(), interval=2, final_step=3), trainer).run())
     assert trainer.synced_versions == [1, 2, 3]  # initial, after step 2, and after the last step
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     points = [(m["eval/step"], m["eval/version"]) for m in lines if "eval/step" in m]
