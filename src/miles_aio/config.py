@@ -268,6 +268,12 @@ class DriverConfig:
                 "abort would throw away every in-flight request; it needs --partial-rollout to continue them",
                 flags=["--pause-generation-mode", "--partial-rollout"],
             )
+        if self.eval_interval is not None and self.eval_interval % self.update_weights_interval:
+            raise ConfigError(
+                f"an eval point evaluates the weights pushed last, so it must fall on a push: eval interval "
+                f"{self.eval_interval} is not a multiple of {self.update_weights_interval}",
+                flags=["--eval-interval", "--update-weights-interval"],
+            )
         if self.save_interval is not None and self.save is None:
             raise ConfigError(
                 "a save interval needs a checkpoint directory", flags=["--save-interval", "--save"]

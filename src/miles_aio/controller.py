@@ -209,8 +209,9 @@ class Controller:
             self._next_drain = (
                 tg.create_task(self._drain(step + 1), name=f"drain-{step + 1}") if step + 1 < n else None
             )
-            groups = [it.group for it in batch]
-            metrics = rollout_batch_metrics(groups, version=self.version) | self.source.get_metrics()
+            groups, key = [it.group for it in batch], self.cfg.train.reward_key
+            metrics = rollout_batch_metrics(groups, version=self.version, reward_key=key)
+            metrics |= self.source.get_metrics()
             t_train = loop.time()
             metrics.update(await self.trainer.train(step, groups))
             self._weights_ahead = True  # trained weights not pushed yet: a checkpoint now is one version on

@@ -45,11 +45,13 @@ class JsonlSink:
         self._file.close()
 
 
-def reward_value(r: object) -> float | None:
+def reward_value(r: object, key: str | None = None) -> float | None:
+    """A reward as a number for the metrics: the value itself, or a dict's `key` (--reward-key, the
+    trained scalar) entry, else its "reward" or "score" entry; None when there is none."""
     if isinstance(r, int | float):
         return float(r)
     if isinstance(r, dict):
-        v = r.get("reward", r.get("score"))
+        v = r.get(key) if key is not None and key in r else r.get("reward", r.get("score"))
         return float(v) if isinstance(v, int | float) else None
     return None
 
@@ -74,15 +76,18 @@ def token_staleness_histogram(samples: Iterable[Sample], *, version: int | None)
     return {f"rollout/token_staleness/{k}": c / total if total else 0.0 for k, c in counts.items()}
 
 
-def rollout_batch_metrics(batch: Iterable[Group], *, version: int | None) -> dict[str, float]:
-    """rollout/* metrics of one training batch: reward, lengths, statuses.
+def rollout_batch_metrics(
+    batch: Iterable[Group], *, version: int | None, reward_key: str | None = None
+) -> dict[str, float]:
+    """rollout/* metrics of one training batch: reward (a dict reward's `reward_key` entry), lengths,
+    statuses.
 
     `train_staleness_*` is measured against the policy about to be trained on the batch (`version`),
     which is one push later than the drain-time staleness in rollout/fully_async/* under prefetch.
     """
     samples = [s for g in batch for s in g]
     groups = list(batch)
-    rewards = [v for s in samples if (v := reward_value(s.reward)) is not None]
+    rewards = [v for s in samples if (v := reward_value(s.reward, reward_key)) is not None]
     lengths = [s.response_length for s in samples]
     stale = [st for g in groups if (st := group_staleness(g, version)) is not None]
     n = max(1, len(samples))

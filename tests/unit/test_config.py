@@ -33,6 +33,10 @@ INVALID: list[tuple[list[str], list[str]]] = [
     (["--save-interval", "5"], ["--save-interval", "--save"]),
     (["--save", "ck", "--save-interval", "0"], ["--save-interval"]),
     (["--eval-interval", "0"], ["--eval-interval"]),
+    (
+        ["--eval-interval", "3", "--update-weights-interval", "2"],
+        ["--eval-interval", "--update-weights-interval"],
+    ),
     (["--rollout-temperature", "-0.1"], ["--rollout-temperature"]),
     (["--rollout-top-p", "0"], ["--rollout-top-p"]),
     (["--rollout-top-p", "1.5"], ["--rollout-top-p"]),

@@ -45,6 +45,7 @@ class SharedEngineEval:
         if temperature is not None:
             params["temperature"] = temperature
         self._n = n_samples_per_prompt
+        self._reward_key = ctx.config.train.reward_key
         self.last_samples: dict[str, list[Sample]] = {}
         """The samples of the last point, by dataset (the eval logging hook gets them)."""
         self._pool = RolloutPool(
@@ -78,7 +79,7 @@ class SharedEngineEval:
                 tasks = [tg.create_task(self._pool.run_group(g, on_sample_done=_noop)) for g in groups]
             samples = [s for t in tasks for s in t.result()]
             self.last_samples[name] = samples
-            metrics.update(dataset_metrics(name, samples))
+            metrics.update(dataset_metrics(name, samples, reward_key=self._reward_key))
         metrics["eval/duration_seconds"] = time.monotonic() - t0
         return metrics
 
@@ -87,24 +88,28 @@ def _noop() -> None:
     return None
 
 
-def _accuracy(reward: Any) -> float:
+def _accuracy(reward: Any, reward_key: str | None) -> float:
     if isinstance(reward, dict):
         for key in ("accuracy", "acc"):
             if isinstance(reward.get(key), int | float):
                 return float(reward[key])
-    value = reward_value(reward)
+    value = reward_value(reward, reward_key)
     return float(value is not None and value >= 1.0)
 
 
-def dataset_metrics(name: str, samples: Sequence[Sample]) -> dict[str, float]:
+def dataset_metrics(
+    name: str, samples: Sequence[Sample], *, reward_key: str | None = None
+) -> dict[str, float]:
+    """eval/<name>/* of one dataset's samples; a dict reward counts by its `reward_key` (--reward-key)
+    entry, and its accuracy by an "accuracy"/"acc" entry when it has one."""
     n = max(1, len(samples))
-    rewards = [v for s in samples if (v := reward_value(s.reward)) is not None]
+    rewards = [v for s in samples if (v := reward_value(s.reward, reward_key)) is not None]
     versions = [v for s in samples for v in s.weight_versions if v is not None]
     mixed = sum(len({v for v in s.weight_versions if v is not None}) > 1 for s in samples)
     p = f"eval/{name}/"
     return {
         p + "reward": sum(rewards) / len(rewards) if rewards else 0.0,
-        p + "accuracy": sum(_accuracy(s.reward) for s in samples) / n,
+        p + "accuracy": sum(_accuracy(s.reward, reward_key) for s in samples) / n,
         p + "truncated_ratio": sum(s.status == Status.TRUNCATED for s in samples) / n,
         p + "response_len": sum(s.response_length for s in samples) / n,
         p + "weight_version/mean": sum(versions) / len(versions) if versions else 0.0,

@@ -20,9 +20,9 @@ Per point:
                        deletes it, after the command it is running), so the point settles at once.
 Weight pushes never wait for points; only the final step's `wait_before_push` awaits every pending one,
 so the last points land in the last record (several points settling in one step window are merged
-there: the newest wins; every point is kept in `results`). With `--update-weights-interval` > 1 a
-point due between pushes evaluates the trainer's newer weights but is stamped with the last pushed
-version (the one the controller passes to `dispatch`).
+there: the newest wins; every point is kept in `results`). Points fall on pushes (the config requires
+`--eval-interval` to be a multiple of `--update-weights-interval`, and the last step pushes), so a
+point's snapshot and its stamped version are the same weights.
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ _LOSS = "miles_aio.trainer.losses (reduced in rank_main)"
 
 METRICS: tuple[MetricSpec, ...] = (
     # -- the data buffer (a window since the previous step) ------------------------------------------------
-    _m(_FA + "queue_size", "Groups waiting in the buffer at the end of the step.", _BUF),
+    _m(_FA + "queue_size", "Groups left in the buffer when the step's batch finished draining.", _BUF),
     _m(_FA + "aborted_groups_filtered", "Groups with an aborted sample, sent to the unused handler.", _BUF),
     _m(
         _FA + "stale_groups_filtered",
@@ -77,7 +77,7 @@ METRICS: tuple[MetricSpec, ...] = (
     _m(_FA + "max_staleness", "Largest staleness of the groups get() returned, at drain time.", _BUF),
     _m(_FA + "buffer_avg_staleness", "Mean staleness of the groups still buffered.", _BUF),
     _m(_FA + "buffer_max_staleness", "Largest staleness of the groups still buffered.", _BUF),
-    _m("rollout/failed_groups", "Groups whose user code raised (drop/retry --rollout-failure-policy).", _BUF),
+    _m("rollout/failed_groups", "Groups whose user code raised or returned an unusable sample.", _BUF),
     _m(
         "rollout/dynamic_filter/drop_{reason}",
         "Groups the dynamic filter rejected, by its reason (filter_crashed: the filter raised, under a "
@@ -91,7 +91,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "miles_aio.data.source",
     ),
     # -- the trained batch --------------------------------------------------------------------------------
-    _m("rollout/reward", "Mean scalar reward of the trained batch.", _BATCH),
+    _m("rollout/reward", "Mean reward of the trained batch (a dict's --reward-key entry).", _BATCH),
     _m("rollout/response_len", "Mean response length (tokens) of the trained batch.", _BATCH),
     _m("rollout/truncated_ratio", "Fraction of trained samples cut by the length limit.", _BATCH),
     _m("rollout/samples", "Samples in the trained batch.", _BATCH),
