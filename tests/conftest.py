@@ -6,7 +6,6 @@ import asyncio
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-import looptime
 import pytest
 
 T = TypeVar("T")
@@ -22,6 +21,8 @@ def run_virtual(coro: Coroutine[Any, Any, T], *, virtual_timeout_s: float = 10_0
     async def bounded() -> T:
         async with asyncio.timeout(virtual_timeout_s):
             return await coro
+
+    import looptime  # here, not at the top: tests/gpu runs on machines without the test extra
 
     loop = looptime.new_event_loop(start=0.0)
     try:
