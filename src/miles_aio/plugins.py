@@ -96,6 +96,14 @@ def resolve_plugins(cfg: RunConfig) -> Plugins:
                 "function fn(ctx, group) -> bool | (keep, reason) (await in the reward function instead)",
                 flags=["--dynamic-sampling-filter-path"],
             )
+    post = cfg.train.custom_reward_post_process_path
+    if post:  # the trainer loads it when it starts; a bad path exits 2 here, before anything starts
+        fn = load(post, "--custom-reward-post-process-path", coroutine=False)
+        if not callable(fn) or inspect.iscoroutinefunction(fn):
+            raise ConfigError(
+                f"{post!r} must be a plain function fn(args, samples) -> (raw_rewards, rewards)",
+                flags=["--custom-reward-post-process-path"],
+            )
     return Plugins(
         generate_fn=load(r.custom_generate_function_path, "--custom-generate-function-path", coroutine=True),
         reward_fn=load(r.custom_rm_path, "--custom-rm-path", coroutine=True) if r.custom_rm_path else None,

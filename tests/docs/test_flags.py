@@ -33,7 +33,6 @@ MILES_ONLY = {
     "--use-dynamic-batch-size",
     "--custom-tis-function-path",
     "--get-mismatch-metrics",
-    "--custom-reward-post-process-path",
     "--custom-convert-samples-to-train-data-path",
     "--optimizer",
 }

@@ -14,6 +14,7 @@ from miles_aio.trainer.actor import TrainerActor
 from miles_aio.trainer.config import TrainConfig
 from tests.trainer.helpers import make_batch, run
 from tests.trainer.helpers import train_cfg as _cfg
+from tests.trainer.test_reward_post_process import CALLS as post_calls
 
 pytestmark = [pytest.mark.slow]
 
@@ -35,6 +36,8 @@ def test_miles_variants_train_and_megatron_matches_hf(model_dir: Path, tmp_path:
     schedule = {"lr_decay_style": "cosine", "lr_warmup_iters": 1, "lr_decay_iters": 4, "lr": 1e-2}
     rpp = {"advantage_estimator": "reinforce_plus_plus", "kl_coef": 0.05, "normalize_advantages": True}
     gspo = {"advantage_estimator": "gspo", "eps_clip_c": 1.5, "use_kl_loss": True, "kl_loss_coef": 0.0}
+    gspo["custom_reward_post_process_path"] = "tests.trainer.test_reward_post_process:doubled"  # miles' hook
+    post_calls.clear()
     for i, kw in enumerate([rpp | schedule, gspo | schedule]):
         hf_w, hf_m = run(_train(_cfg(model_dir, **kw), tmp_path / f"hf{i}", steps=2))
         for m in hf_m:
@@ -42,6 +45,7 @@ def test_miles_variants_train_and_megatron_matches_hf(model_dir: Path, tmp_path:
             if "kl_coef" in kw:  # whitened over the whole rollout: the token-mean advantage is ~0
                 assert abs(m["train/advantage"]) < 1e-4
         if "eps_clip_c" in kw:
+            assert len(post_calls) == 2  # once per train call, on the controller side
             assert all(0.0 <= m["train/dual_clipfrac"] <= 1.0 for m in hf_m)
             assert hf_m[1]["train/kl_loss"] > 0.0  # monitored at coefficient 0: the policy moved
         mg = _cfg(

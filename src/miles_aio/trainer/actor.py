@@ -43,6 +43,7 @@ from miles_aio.trainer.channel import AsyncChannel, ChannelListener
 from miles_aio.trainer.config import TrainConfig, check_batch_arithmetic, with_run_lr_decay
 from miles_aio.trainer.protocol import Message
 from miles_aio.trainer.rank_main import CONTROLLER_ENV, PARENT_ENV, THREADS_ENV
+from miles_aio.trainer.reward_post import RewardPostProcess
 from miles_aio.types import Group
 
 __all__ = ["TrainerActor", "TrainerRankError"]
@@ -98,6 +99,7 @@ class TrainerActor:
         self._dp_size = 1
         self._device = "cpu"
         self._bcast: tuple[int, str, list[list[str]], dict[str, tuple[str, list[int]]]] | None = None
+        self.reward_post_process: RewardPostProcess | None = None  # --custom-reward-post-process-path
         self.wrapper = ""
         self.threads = 0  # torch threads of each rank (reported by rank 0)
 
@@ -141,6 +143,7 @@ class TrainerActor:
         local = e is not None and e.rollout_backend == "local" and not e.sglang_urls
         engine_threads = e.num_engines * e.engine_num_threads if e is not None and local else 0
         actor = cls(train_cfg, run_dir=run_dir, listener=listener, spawn=spawn, engine_threads=engine_threads)
+        actor.reward_post_process = RewardPostProcess.from_config(train_cfg, run_cfg)
         try:
             async with asyncio.TaskGroup() as tg:
                 actor._tg = tg
@@ -338,9 +341,8 @@ class TrainerActor:
 
     # -- the Trainer protocol -----------------------------------------------------------------------------
     async def train(self, step: int, batch: list[Group]) -> dict[str, float]:
-        """One rollout's worth of training: advantages over all groups, then `optimizer_steps` updates,
-        each over `global_batch_size` samples split evenly over the data-parallel ranks."""
-        cfg = self.cfg
+        """One rollout: advantages over all groups, then optimizer steps of --global-batch-size samples."""
+        cfg, post = self.cfg, self.reward_post_process
         n = sum(len(g) for g in batch)
         check_batch_arithmetic(cfg, n)
         step_data = losses.shard_batch(
@@ -351,6 +353,7 @@ class TrainerActor:
             global_batch_size=cfg.resolved_global_batch_size(n),
             dp_size=self._dp_size,
             mask_offpolicy=cfg.mask_offpolicy_in_partial_rollout,
+            processed_rewards=post(batch) if post is not None else None,
         )
         encoded = [protocol.encode_batch(rows) for rows in step_data.shards]
         per_rank: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {
@@ -361,8 +364,7 @@ class TrainerActor:
         )
         metrics: dict[str, float] = replies[0].header["metrics"]
         metrics["train/advantage_abs_mean"] = sum(map(abs, step_data.advantages)) / max(n, 1)
-        if cfg.mask_offpolicy_in_partial_rollout:
-            metrics["train/masked_offpolicy_tokens"] = float(step_data.masked_offpolicy)
+        metrics["train/masked_offpolicy_tokens"] = float(step_data.masked_offpolicy)
         return metrics
 
     async def sync_weights(self, engine: InferenceEngine, *, version: int) -> None:

@@ -143,6 +143,14 @@ class TrainConfig:
         False, "GRPO: only mean-centre rewards per group (Dr.GRPO), do not divide by the group std."
     )
     reward_key: str | None = opt(None, "Key of the scalar reward when the reward function returns a dict.")
+    custom_reward_post_process_path: str | None = opt(
+        None,
+        "miles' reward post-processing `fn(args, samples) -> (raw_rewards, rewards)`, called on the "
+        "controller with the whole rollout (group by group): its rewards replace the estimator's group "
+        "normalization (grpo/gspo: they are the advantages; reinforce_plus_plus_baseline: whitened; "
+        "reinforce_plus_plus: the token returns' rewards).",
+        metavar="PKG.MOD:ATTR",
+    )
     eps_clip: float = opt(0.2, "PPO ratio clip: lower bound 1 - eps_clip.")
     eps_clip_high: float | None = opt(
         None, "PPO ratio clip upper bound 1 + eps_clip_high (default eps_clip)."
@@ -263,6 +271,12 @@ class TrainConfig:
             raise ConfigError(
                 "with --use-rollout-logprobs the importance weight π_old/π_rollout is always 1",
                 flags=["--use-rollout-logprobs", "--use-tis" if self.use_tis else "--use-decoupled-loss"],
+            )
+        if self.custom_reward_post_process_path and self.advantage_estimator == "rloo":
+            raise ConfigError(
+                "rloo's baseline is its normalization; a reward post-process would replace it (miles has "
+                "no rloo): use grpo with the post-process, or rloo without it",
+                flags=["--custom-reward-post-process-path", "--advantage-estimator"],
             )
         if self.kl_coef > 0 and self.advantage_estimator != "reinforce_plus_plus":
             raise ConfigError(

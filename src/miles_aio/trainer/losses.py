@@ -72,8 +72,13 @@ def compute_advantages(
     *,
     std_normalization: bool = True,
     eps: float = 1e-6,
+    post_processed: bool = False,
 ) -> list[list[float]]:
     """Per-sample advantages for a step's groups (one list of rewards per prompt group).
+
+    `post_processed`: the rewards come from --custom-reward-post-process-path, which replaces the group
+    normalization: grpo/gspo take them as the advantages, reinforce_plus_plus_baseline only whitens
+    them (rloo is refused by the config).
 
     grpo, gspo: (r − group mean) / (group std + eps), std unbiased as torch's; mean-centred only when
       `std_normalization` is False (Dr.GRPO). A group of one keeps its raw reward (nothing to compare).
@@ -83,13 +88,13 @@ def compute_advantages(
     rloo: r_i − mean of the *other* samples of the group = n/(n−1) · (r_i − group mean).
     reinforce_plus_plus_baseline: r − group mean, then whitened over all samples of the step.
     """
-    if estimator == "reinforce_plus_plus":
+    if estimator == "reinforce_plus_plus" or (post_processed and estimator in ("grpo", "gspo")):
         return [[float(r) for r in group] for group in rewards]
     out: list[list[float]] = []
     for group in rewards:
         r = torch.tensor(group, dtype=torch.float64)
         n = r.numel()
-        if n <= 1:
+        if n <= 1 or post_processed:
             out.append(r.tolist())
             continue
         centred = r - r.mean()
@@ -546,13 +551,21 @@ def shard_batch(
     global_batch_size: int,
     dp_size: int,
     mask_offpolicy: bool = False,
+    processed_rewards: Sequence[float] | None = None,
 ) -> StepShards:
     """Advantages over all of the step's groups (so every rank sees the same ones), then samples in
     order: optimizer step j takes samples [j·gbs, (j+1)·gbs), and dp rank d its d-th equal slice.
-    `mask_offpolicy` (--mask-offpolicy-in-partial-rollout): `newest_version_mask` on every sample."""
+    `mask_offpolicy` (--mask-offpolicy-in-partial-rollout): `newest_version_mask` on every sample.
+    `processed_rewards` (one per sample, in order): a reward post-process's output, used instead."""
     samples = [s for g in batch for s in g]
-    rewards = [[scalar_reward(s.reward, reward_key) for s in g] for g in batch]
-    grouped = compute_advantages(rewards, estimator, std_normalization=std_normalization)
+    if processed_rewards is None:
+        rewards = [[scalar_reward(s.reward, reward_key) for s in g] for g in batch]
+    else:
+        flat = iter(processed_rewards)
+        rewards = [[next(flat) for _ in g] for g in batch]
+    grouped = compute_advantages(
+        rewards, estimator, std_normalization=std_normalization, post_processed=processed_rewards is not None
+    )
     advantages = [a for g in grouped for a in g]
     per_dp = global_batch_size // dp_size
     masked_offpolicy = 0
