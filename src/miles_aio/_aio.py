@@ -1,28 +1,48 @@
-"""Small asyncio building blocks shared by the process launchers and actors."""
+"""Small asyncio building blocks shared by the process launchers, actors and the embedded engine."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, TypeVar
+
+import structlog
 
 __all__ = ["finish_even_if_cancelled"]
 
+_T = TypeVar("_T")
+_log = structlog.get_logger(__name__)
 
-async def finish_even_if_cancelled(coro: Coroutine[Any, Any, None]) -> None:
-    """Await `coro` to its end even if the caller is cancelled meanwhile, then re-raise the cancellation.
 
-    For cleanup that must not be abandoned half-way (taking child processes down). The cleanup runs as
-    its own task, owned by a TaskGroup right here and shielded from our cancellation; the body waits for
-    it, so it never outlives the caller.
+async def finish_even_if_cancelled(coro: Coroutine[Any, Any, _T]) -> _T:
+    """Await `coro` to its end even if the caller is cancelled meanwhile (however often), then re-raise
+    the cancellation; otherwise return its result or raise its exception.
+
+    For work that must not be abandoned half-way: taking child processes down, or a collective running
+    in a thread that cannot be stopped. `coro` runs as its own task, owned by a TaskGroup right here and
+    shielded from our cancellation; the body waits for it, so it never outlives the caller. If the
+    caller was cancelled and `coro` failed too, its error is logged (the cancellation wins).
     """
+
+    async def settle() -> tuple[bool, Any]:
+        try:
+            return True, await coro
+        except Exception as exc:  # kept as the outcome, not as a TaskGroup failure
+            return False, exc
+
     cancelled = False
     async with asyncio.TaskGroup() as tg:
-        task = tg.create_task(coro, name="cleanup")
+        task = tg.create_task(settle(), name="finish-even-if-cancelled")
         while not task.done():
             try:
                 await asyncio.shield(task)
             except asyncio.CancelledError:
-                cancelled = True  # keep waiting; re-raised once the cleanup is done
+                cancelled = True  # keep waiting; re-raised once the work is done
+    ok, value = task.result()
     if cancelled:
+        if not ok:
+            _log.warning("work_finished_after_cancellation_failed", error=f"{type(value).__name__}: {value}")
         raise asyncio.CancelledError
+    if not ok:
+        raise value
+    return value  # type: ignore[no-any-return]

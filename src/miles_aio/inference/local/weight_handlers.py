@@ -6,24 +6,23 @@ Each update is read (from disk, or by broadcast from trainer rank 0), validated 
 steps. Answers are SGLang's `{"success", "message", ...}`, 200 or 400.
 
 Cancellation (the server runs with `handler_cancellation`, so a client that hangs up cancels its handler):
-a torch.distributed call in a thread cannot be stopped, so a cancelled handler still waits for it to
-finish (`_complete`) before the cancellation propagates: a receive keeps `dist_lock` until its collective
-is done (a retry never starts a second collective on the group meanwhile), and a group whose rendezvous
-completes after its request was cancelled is still registered (so `destroy_weights_update_group` and
-shutdown can free it).
+a torch.distributed call in a thread cannot be stopped, so a cancelled handler still waits for it
+(`finish_even_if_cancelled`) before the cancellation propagates: a receive keeps `dist_lock` until its
+collective is done (a retry never starts a second collective on the group meanwhile), and a group whose
+rendezvous completes after its request was cancelled is still registered (so
+`destroy_weights_update_group` and shutdown can free it).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any, TypeVar
 
 import structlog
 import torch
 from aiohttp import web
 
+from miles_aio._aio import finish_even_if_cancelled
 from miles_aio.inference.local import protocol as proto
 from miles_aio.inference.local import weight_sync
 from miles_aio.inference.local.state import ServerState, read_body, weight_reply
@@ -38,28 +37,6 @@ from miles_aio.inference.local.weights import (
 __all__ = ["WeightHandlers"]
 
 _log = structlog.get_logger(__name__)
-_T = TypeVar("_T")
-
-
-async def _complete(coro: Coroutine[Any, Any, _T]) -> _T:
-    """Await `coro` to its end even if the caller is cancelled meanwhile; then re-raise the cancellation.
-
-    `coro` runs as its own task; `asyncio.wait` (unlike a plain await) never cancels it, so it finishes
-    however often the caller is cancelled. If the caller was cancelled, the task's own outcome is logged
-    and `CancelledError` is raised; otherwise its result (or exception) is returned (raised).
-    """
-    task = asyncio.ensure_future(coro)
-    cancelled = False
-    while not task.done():
-        try:
-            await asyncio.wait([task])
-        except asyncio.CancelledError:
-            cancelled = True  # keep waiting: the thread behind `task` cannot be stopped
-    if cancelled:
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            _log.warning("engine.cancelled_request_failed", error=f"{type(exc).__name__}: {exc}")
-        raise asyncio.CancelledError
-    return task.result()
 
 
 class WeightHandlers:
@@ -123,7 +100,7 @@ class WeightHandlers:
 
         self._joining.add(name)
         try:
-            await _complete(join_and_register())
+            await finish_even_if_cancelled(join_and_register())
         except Exception as exc:
             return weight_reply(False, f"Failed to initialize custom process group: {exc}.")
         finally:
@@ -152,7 +129,7 @@ class WeightHandlers:
         try:
             async with self.s.dist_lock:  # collectives on one group must not interleave
                 # Held until the receive is really over, even if this request is cancelled meanwhile.
-                tensors = await _complete(
+                tensors = await finish_even_if_cancelled(
                     asyncio.to_thread(weight_sync.receive_weights, shapes=req.shapes, dtypes=dtypes, group=pg)
                 )
         except Exception as exc:
