@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -26,6 +27,7 @@ __all__ = [
     "Status",
     "group_oldest_version",
     "group_staleness",
+    "scalar_reward",
 ]
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -227,3 +229,28 @@ class RunSummary:
     step_times_s: list[float] = field(default_factory=list)
     last_metrics: dict[str, float] = field(default_factory=dict)
     ledger_counts: dict[str, int] = field(default_factory=dict)
+
+
+def scalar_reward(reward: object, reward_key: str | None) -> float:
+    """A sample's reward as the float the trainer uses: the value itself, or `reward[reward_key]` for a
+    dict reward (--reward-key). Raises ValueError saying what is wrong: no reward, a dict without the
+    key, a value that is not a finite number. (The rollout checks rewards with it as they arrive.)"""
+    if reward is None:
+        raise ValueError("sample has no reward (did the reward function run?)")
+    what = "reward"
+    if isinstance(reward, Mapping):
+        keys = sorted(map(str, reward))
+        if reward_key is None:
+            raise ValueError(f"dict reward with keys {keys} needs --reward-key")
+        if reward_key not in reward:
+            raise ValueError(f"dict reward has no --reward-key {reward_key!r} (keys {keys})")
+        reward, what = reward[reward_key], f"reward[{reward_key!r}]"
+    try:
+        value = float(reward)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        text = repr(reward)
+        shown = text[:80] + "..." if len(text) > 80 else text
+        raise ValueError(f"{what} is {type(reward).__name__} {shown}, not a number") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{what} is {value}, not a finite number")
+    return value

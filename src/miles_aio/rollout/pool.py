@@ -27,14 +27,13 @@ and may return several samples per prompt.
 from __future__ import annotations
 
 import asyncio
-import math
 import traceback
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from miles_aio.errors import EngineError
 from miles_aio.rollout.context import RolloutContext
-from miles_aio.types import Group, Sample, Status
+from miles_aio.types import Group, Sample, Status, scalar_reward
 
 __all__ = ["GenerateFn", "InvalidSampleError", "RewardFn", "RolloutPool", "sampling_params_from_config"]
 
@@ -194,7 +193,7 @@ class RolloutPool:
         return samples
 
     def _check_reward(self, s: Sample) -> None:
-        """A scorable sample's reward must be usable by the trainer (`losses.scalar_reward`)."""
+        """A scorable sample's reward must be usable by the trainer (`types.scalar_reward`)."""
         if not _scorable(s) or self.ctx.evaluation:
             return
         reward: object = s.reward
@@ -205,27 +204,10 @@ class RolloutPool:
                 f"sample {s.index} has no reward: there is no --custom-rm-path, so generate must set "
                 "sample.reward"
             )
-        key = self.ctx.config.train.reward_key
-        what = "reward"
-        if isinstance(reward, Mapping):
-            if key is None:
-                raise InvalidSampleError(
-                    f"sample {s.index}: dict reward with keys {sorted(map(str, reward))} needs --reward-key"
-                )
-            if key not in reward:
-                raise InvalidSampleError(
-                    f"sample {s.index}: dict reward has no --reward-key {key!r} "
-                    f"(keys {sorted(map(str, reward))})"
-                )
-            reward, what = reward[key], f"reward[{key!r}]"
         try:
-            value = float(reward)  # type: ignore[arg-type]
-        except (TypeError, ValueError):
-            raise InvalidSampleError(
-                f"sample {s.index}: {what} is {_describe(reward)}, not a number"
-            ) from None
-        if not math.isfinite(value):
-            raise InvalidSampleError(f"sample {s.index}: {what} is {value}, not a finite number")
+            scalar_reward(reward, self.ctx.config.train.reward_key)  # the trainer's own reading of it
+        except ValueError as e:
+            raise InvalidSampleError(f"sample {s.index}: {e}") from None
 
 
 _FINISHED = frozenset((Status.COMPLETED, Status.TRUNCATED, Status.ABORTED, Status.FAILED))

@@ -18,12 +18,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-from miles_aio.types import Sample
+from miles_aio.types import Sample, scalar_reward
 
 __all__ = [
     "LossOutput",
@@ -55,17 +55,6 @@ KLType = Literal["k1", "k2", "k3", "low_var_kl"]
 
 
 # -- advantages ------------------------------------------------------------------------------------------
-def scalar_reward(reward: float | Mapping[str, Any] | None, reward_key: str | None) -> float:
-    """A sample's reward as a float: the value itself, or `reward[reward_key]` for dict rewards."""
-    if reward is None:
-        raise ValueError("sample has no reward (did the reward function run?)")
-    if isinstance(reward, Mapping):
-        if reward_key is None:
-            raise ValueError(f"dict reward {sorted(reward)} needs --reward-key")
-        return float(reward[reward_key])
-    return float(reward)
-
-
 def compute_advantages(
     rewards: Sequence[Sequence[float]],
     estimator: Estimator,
