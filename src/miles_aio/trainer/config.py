@@ -14,7 +14,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import structlog
 
@@ -42,13 +42,13 @@ FsdpWrap = Literal["auto", "fsdp2", "ddp"]
 
 log = structlog.get_logger("miles_aio.trainer.config")
 
-_CHOICES: dict[str, tuple[str, ...]] = {
-    "train_backend": ("fsdp", "megatron"),
-    "advantage_estimator": ("grpo", "gspo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
-    "kl_loss_type": ("k1", "k2", "k3", "low_var_kl"),
-    "lr_decay_style": ("constant", "linear", "cosine"),
-    "update_weight_transfer_mode": ("disk", "broadcast"),
-    "fsdp_wrap": ("auto", "fsdp2", "ddp"),
+_CHOICES: dict[str, tuple[str, ...]] = {  # checked in __post_init__: the ranks rebuild configs from JSON
+    "train_backend": get_args(TrainBackend),
+    "advantage_estimator": get_args(AdvantageEstimator),
+    "kl_loss_type": get_args(KLLossType),
+    "lr_decay_style": get_args(LRDecayStyle),
+    "update_weight_transfer_mode": get_args(TransferMode),
+    "fsdp_wrap": get_args(FsdpWrap),
 }
 
 

@@ -18,11 +18,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
+from miles_aio.trainer.config import AdvantageEstimator, KLLossType
 from miles_aio.types import Sample, scalar_reward
 
 __all__ = [
@@ -50,8 +50,8 @@ __all__ = [
     "token_log_probs",
 ]
 
-Estimator = Literal["grpo", "gspo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
-KLType = Literal["k1", "k2", "k3", "low_var_kl"]
+Estimator = AdvantageEstimator  # the flags' own types: one list of names
+KLType = KLLossType
 
 
 # -- advantages ------------------------------------------------------------------------------------------
@@ -564,7 +564,8 @@ def shard_batch(
         s.validate()
         j = i // global_batch_size
         mask = newest_version_mask(s) if mask_offpolicy else s.loss_mask
-        masked_offpolicy += sum(s.loss_mask) - sum(mask)
+        kept = sum(mask)
+        masked_offpolicy += sum(s.loss_mask) - kept if mask_offpolicy else 0
         row = TrainRow(
             tokens=torch.tensor(s.tokens, dtype=torch.int64),
             response_length=s.response_length,
@@ -574,7 +575,7 @@ def shard_batch(
             opt_step=j,
         )
         shards[(i % global_batch_size) // per_dp].append(row)
-        num_tokens[j] += float(sum(mask))
+        num_tokens[j] += float(kept)
     return StepShards(shards, num_tokens, advantages, masked_offpolicy)
 
 
