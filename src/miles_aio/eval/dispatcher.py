@@ -31,6 +31,7 @@ __all__ = [
     "EvalReport",
     "Evaluator",
     "NoEval",
+    "eval_due",
     "point_samples",
 ]
 
@@ -87,6 +88,15 @@ class EvalPoints(Protocol):
     def collect(self) -> EvalReport: ...
 
 
+def eval_due(steps_done: int, interval: int | None, *, final_step: int | None, before_train: bool) -> bool:
+    """Whether an eval point falls after `steps_done` steps: on the initial weights (unless
+    --skip-eval-before-train), every --eval-interval steps, and after the last step (as miles: the
+    curve ends on the final model). Both dispatchers schedule by it."""
+    if steps_done == 0:
+        return before_train
+    return interval is not None and (steps_done % interval == 0 or steps_done == final_step)
+
+
 class NoEval:
     """The `EvalPoints` of a run without eval: never due, nothing to wait for or collect."""
 
@@ -125,11 +135,8 @@ class EvalDispatcher:
         self.points = 0
 
     def due(self, steps_done: int) -> bool:
-        if steps_done == 0:
-            return self._before_train
-        # every --eval-interval steps, and after the last step (as miles: its curve ends on the final model)
-        return self._interval is not None and (
-            steps_done % self._interval == 0 or steps_done == self._final_step
+        return eval_due(
+            steps_done, self._interval, final_step=self._final_step, before_train=self._before_train
         )
 
     def dispatch(self, tg: asyncio.TaskGroup, *, steps_done: int, version: int) -> None:

@@ -35,7 +35,7 @@ from typing import Literal, Protocol
 
 import structlog
 
-from miles_aio.eval.dispatcher import EvalPointResult, EvalReport, point_samples
+from miles_aio.eval.dispatcher import EvalPointResult, EvalReport, eval_due, point_samples
 from miles_aio.eval.snapshots import EvalSkip, Snapshot, SnapshotRetirer, SnapshotSource
 
 __all__ = ["SnapshotEvalDispatcher", "SnapshotEvaluator"]
@@ -91,11 +91,8 @@ class SnapshotEvalDispatcher:
         self.points = 0
 
     def due(self, steps_done: int) -> bool:
-        if steps_done == 0:
-            return self._before_train
-        # every --eval-interval steps, and after the last step (as miles: its curve ends on the final model)
-        return self._interval is not None and (
-            steps_done % self._interval == 0 or steps_done == self._final_step
+        return eval_due(
+            steps_done, self._interval, final_step=self._final_step, before_train=self._before_train
         )
 
     @property
