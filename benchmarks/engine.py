@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from miles_aio.inference.local import launch_local_engines
+from miles_aio.inference.local_launch import launch_local_engines
 from miles_aio.logs import configure_logging
 from miles_aio.models import build_tiny_llama
 

@@ -74,7 +74,7 @@ from miles_aio.config import (
 from miles_aio.controller import Controller
 from miles_aio.data.source import DataSource, PromptRecord, encode_prompt
 from miles_aio.inference.base import InferenceEngine
-from miles_aio.inference.local import launch_local_engines
+from miles_aio.inference.local_launch import launch_local_engines
 from miles_aio.inference.router import EngineRouter
 from miles_aio.models import build_tiny_llama
 from miles_aio.plugins import resolve_plugins

@@ -32,7 +32,7 @@ from typing import Any
 
 from safetensors.torch import load_file, save_file
 
-from miles_aio.inference.local import launch_local_engines
+from miles_aio.inference.local_launch import launch_local_engines
 from miles_aio.inference.router import EngineRouter
 from miles_aio.logs import configure_logging
 from miles_aio.models import build_tiny_llama

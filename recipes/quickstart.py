@@ -6,7 +6,7 @@
 What runs (all real processes, no GPU, no network):
   1. warm start: build a tiny Llama (0.5M parameters, character tokenizer) and fine-tune it on a little
      supervised data until it is right ~20-30% of the time (RL from random init never sees a reward);
-  2. the embedded engine (`python -m miles_aio.inference.local`) serves it over SGLang's HTTP API;
+  2. the embedded engine (`python -m miles_aio.engine`) serves it over SGLang's HTTP API;
   3. a trainer rank (torch.distributed, gloo) trains it with GRPO + truncated importance sampling;
   4. the controller runs fully async: rollout never waits for training; weights are pushed to the
      engine after every step (disk transfer), and 200 held-out problems are evaluated greedily every

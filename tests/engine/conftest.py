@@ -1,6 +1,6 @@
 """Fixtures for the embedded-engine tests: one tiny model set per session, one engine process per module.
 
-Every engine is a real `python -m miles_aio.inference.local` process on a loopback port; tests talk to
+Every engine is a real `python -m miles_aio.engine` process on a loopback port; tests talk to
 it over HTTP. Requests and responses of `/generate` are checked against SGLang's own msgspec schema
 (`sglang/api/v1/api_types.py`, loaded by file path without importing sglang).
 """

@@ -43,7 +43,7 @@ class EngineProcess:
 
     def __init__(self, model_path: Path, *args: str, log_dir: Path) -> None:
         self.stderr_path = log_dir / f"engine-{os.getpid()}-{id(self)}.log"
-        cmd = [sys.executable, "-m", "miles_aio.inference.local", "--model-path", str(model_path)]
+        cmd = [sys.executable, "-m", "miles_aio.engine", "--model-path", str(model_path)]
         cmd += ["--port", "0", *args]
         with open(self.stderr_path, "wb") as err:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL)

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from tokenizers import Tokenizer
 
-from miles_aio.inference.local.server import stop_match_text
+from miles_aio.engine.server import stop_match_text
 from miles_aio.models.tiny import build_tiny_llama
 from tests.engine.helpers import EngineProcess, check_response, generate, logprobs
 

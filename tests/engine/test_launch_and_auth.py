@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from miles_aio.inference.local import EngineStartError, launch_local_engines
+from miles_aio.inference.local_launch import EngineStartError, launch_local_engines
 from tests.engine.helpers import EngineProcess, Models
 
 pytestmark = [pytest.mark.slow]
@@ -37,7 +37,7 @@ def _engine_children() -> list[int]:
             cmdline = (entry / "cmdline").read_bytes()
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == os.getpid() and b"miles_aio.inference.local" in cmdline:
+        if ppid == os.getpid() and b"miles_aio.engine" in cmdline:
             pids.append(int(entry.name))
     return pids
 
@@ -48,7 +48,7 @@ def test_non_loopback_host_requires_an_api_key(models: Models) -> None:
     cmd = [
         sys.executable,
         "-m",
-        "miles_aio.inference.local",
+        "miles_aio.engine",
         "--model-path",
         str(models.m1),
         "--host",
@@ -153,7 +153,7 @@ def test_engine_exits_when_its_launcher_goes_away(models: Models, tmp_path: Path
     cmd = [
         sys.executable,
         "-m",
-        "miles_aio.inference.local",
+        "miles_aio.engine",
         "--model-path",
         str(models.m1),
         "--port",

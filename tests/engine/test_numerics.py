@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from miles_aio.inference.local.model import KVPool, LlamaModel
+from miles_aio.engine.model import KVPool, LlamaModel
 from tests.engine.helpers import (
     EngineProcess,
     Models,

@@ -25,7 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from miles_aio.inference.local.weight_sync import (
+from miles_aio.weight_broadcast import (
     broadcast_weights,
     destroy_process_group,
     init_custom_process_group,

@@ -1,6 +1,6 @@
 """Eval mode 2 on real embedded engines: a dedicated fleet loads each point's HF snapshot from disk.
 
-Real processes (one `python -m miles_aio.inference.local` eval engine), so real time; the rollout side
+Real processes (one `python -m miles_aio.engine` eval engine), so real time; the rollout side
 and the trainer are fakes (the FAKE trainer's `export_hf` writes the tiny model's safetensors).
 """
 

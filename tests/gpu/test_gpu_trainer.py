@@ -159,7 +159,7 @@ class _NcclReceiver:
         self.received: dict[str, torch.Tensor] = {}
 
     async def init_weights_update_group(self, **kw: Any) -> None:
-        from miles_aio.inference.local.weight_sync import init_custom_process_group
+        from miles_aio.weight_broadcast import init_custom_process_group
 
         def join() -> Any:
             torch.cuda.set_device(1)

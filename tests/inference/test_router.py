@@ -37,7 +37,7 @@ def test_killed_embedded_engine_is_routed_around_and_rejoins(tmp_path: Path) -> 
     model = build_tiny_llama(tmp_path / "m", alphabet="abcdef", hidden_size=32, num_heads=2, num_kv_heads=1)
 
     async def main() -> None:
-        a, b = (StubProcess("--model-path", str(model), module="miles_aio.inference.local") for _ in range(2))
+        a, b = (StubProcess("--model-path", str(model), module="miles_aio.engine") for _ in range(2))
         await a.start()
         await b.start()
         try:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from miles_aio.eval import open_eval_engines
-from miles_aio.inference.local import EngineStartError, launch_local_engines
+from miles_aio.inference.local_launch import EngineStartError, launch_local_engines
 from miles_aio.models.tiny import build_tiny_llama
 from tests.helpers import make_config
 

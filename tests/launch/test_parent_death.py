@@ -57,7 +57,7 @@ async def main() -> None:
 _LOCAL_PARENT = (
     _PRELUDE
     + """
-from miles_aio.inference.local.launch import launch_local_engines
+from miles_aio.inference.local_launch import launch_local_engines
 
 async def main() -> None:
     async with launch_local_engines(sys.argv[2], num_engines=1, log_dir=Path(sys.argv[1])) as urls:

@@ -37,7 +37,7 @@ def engine_cmd(model_dir: Path) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "miles_aio.inference.local",
+        "miles_aio.engine",
         "--model-path",
         str(model_dir),
         "--port",

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from miles_aio.inference.local.launch import launch_local_engines
+from miles_aio.inference.local_launch import launch_local_engines
 from miles_aio.inference.router import EngineRouter
 from miles_aio.trainer.actor import TrainerActor
 from miles_aio.trainer.config import TrainConfig

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from miles_aio.errors import ConfigError
-from miles_aio.inference.local.launch import launch_local_engines
+from miles_aio.inference.local_launch import launch_local_engines
 from miles_aio.inference.router import EngineRouter
 from miles_aio.trainer.actor import TrainerActor
 from miles_aio.trainer.config import TrainConfig

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from miles_aio.inference.local.runner import PrefixCache
+from miles_aio.engine.runner import PrefixCache
 
 tokens = st.lists(st.integers(0, 3), min_size=1, max_size=12)
 

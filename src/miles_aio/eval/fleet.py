@@ -111,7 +111,7 @@ async def open_eval_engines(
                     )
                 )
             else:
-                from miles_aio.inference.local.launch import launch_local_engines
+                from miles_aio.inference.local_launch import launch_local_engines
 
                 urls = await stack.enter_async_context(
                     launch_local_engines(

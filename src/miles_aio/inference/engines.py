@@ -1,6 +1,6 @@
 """`open_engines`: the rollout engines of a run, as one `EngineRouter`, per `--rollout-backend`.
 
-  local    `--rollout-num-gpus` embedded CPU engines (`miles_aio.inference.local`), started here
+  local    `--rollout-num-gpus` embedded CPU engines (`miles_aio.engine`), started here
   sglang   `--rollout-num-gpus / --rollout-num-gpus-per-engine` SGLang servers, started here on the
            GPUs after the trainer's (`gpu_offset`), with every `--sglang-<flag>` passed through
   urls     `--sglang-urls`: servers (or one sglang-router) that are already running
@@ -79,7 +79,7 @@ async def open_engines(
                 )
             )
         else:
-            from miles_aio.inference.local.launch import launch_local_engines
+            from miles_aio.inference.local_launch import launch_local_engines
 
             urls = await stack.enter_async_context(
                 launch_local_engines(

@@ -2,7 +2,7 @@
 
 The result is an ordinary Hugging Face model directory, so every consumer loads it the same way it loads
 a real checkpoint: `transformers.AutoModelForCausalLM` / `AutoTokenizer`, SGLang, and the embedded CPU
-engine (`miles_aio.inference.local`)::
+engine (`miles_aio.engine`)::
 
     out_dir/
       config.json               LlamaForCausalLM (`rope_theta` and `rope_parameters`: old and new readers)

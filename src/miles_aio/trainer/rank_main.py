@@ -272,7 +272,7 @@ class RankWorker:
 
     def op_bcast_init(self, msg: Message) -> Reply:
         if self.rank == 0:
-            from miles_aio.inference.local.weight_sync import init_custom_process_group
+            from miles_aio.weight_broadcast import init_custom_process_group
 
             keys = ("backend", "master_address", "master_port", "world_size", "group_name")
             self.weight_group = init_custom_process_group(
@@ -284,7 +284,7 @@ class RankWorker:
         names: list[str] = msg.header["names"]
         tensors = self.backend.hf_tensors(names)  # every rank: a collective under FSDP2 / TP
         if self.rank == 0:
-            from miles_aio.inference.local.weight_sync import broadcast_weights
+            from miles_aio.weight_broadcast import broadcast_weights
 
             if self.weight_group is None:
                 raise RuntimeError("bcast_bucket before bcast_init")

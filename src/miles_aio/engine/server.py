@@ -33,14 +33,14 @@ import torch
 from aiohttp import web
 from tokenizers import Tokenizer
 
-from miles_aio.inference.local import protocol as proto
-from miles_aio.inference.local import weight_sync
-from miles_aio.inference.local.engine import EngineClosed, LocalEngine
-from miles_aio.inference.local.handlers import GenerationHandlers
-from miles_aio.inference.local.model import LlamaModel, LlamaSpec
-from miles_aio.inference.local.runner import ModelRunner
-from miles_aio.inference.local.state import ServerConfig, ServerState, bad_request
-from miles_aio.inference.local.weight_handlers import WeightHandlers
+from miles_aio import weight_broadcast as weight_sync
+from miles_aio.engine import protocol as proto
+from miles_aio.engine.core import EngineClosed, LocalEngine
+from miles_aio.engine.handlers import GenerationHandlers
+from miles_aio.engine.model import LlamaModel, LlamaSpec
+from miles_aio.engine.runner import ModelRunner
+from miles_aio.engine.state import ServerConfig, ServerState, bad_request
+from miles_aio.engine.weight_handlers import WeightHandlers
 
 __all__ = ["ServerConfig", "build_app", "serve"]
 

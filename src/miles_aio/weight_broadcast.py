@@ -1,4 +1,5 @@
-"""The torch.distributed side of `/init_weights_update_group` and `/update_weights_from_distributed`.
+"""Weight updates by broadcast: the torch.distributed protocol of SGLang's `/init_weights_update_group` and
+`/update_weights_from_distributed`, shared by both ends (the trainer's rank 0 sends, engines receive).
 
 The wire protocol is SGLang's (`sglang/srt/utils/common.py:init_custom_process_group`, and
 `model_runner_components/weight_updater.py`): the trainer's rank 0 and the engine ranks
@@ -8,7 +9,8 @@ trainer's own default group. Each update is then one `broadcast(src=0)` per tens
 request's `names`. Trainer code reaches an engine, this one or real SGLang, by calling
 `init_custom_process_group(..., rank=0)` and `broadcast_weights`.
 
-All functions block (rendezvous waits for every rank) and must run off the event loop.
+A neutral module: the trainer imports it without importing the engine, and the engine without the
+trainer. All functions block (rendezvous waits for every rank) and must run off the event loop.
 """
 
 from __future__ import annotations

@@ -22,11 +22,11 @@ import structlog
 import torch
 from aiohttp import web
 
+from miles_aio import weight_broadcast as weight_sync
 from miles_aio._aio import finish_even_if_cancelled
-from miles_aio.inference.local import protocol as proto
-from miles_aio.inference.local import weight_sync
-from miles_aio.inference.local.state import ServerState, read_body, weight_reply
-from miles_aio.inference.local.weights import (
+from miles_aio.engine import protocol as proto
+from miles_aio.engine.state import ServerState, read_body, weight_reply
+from miles_aio.engine.weights import (
     WeightUpdateError,
     parse_dtype,
     read_checkpoint,

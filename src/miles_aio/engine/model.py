@@ -219,7 +219,7 @@ class LlamaModel:
 
     @classmethod
     def load(cls, model_dir: Path, *, context_len: int, dtype: torch.dtype = torch.float32) -> LlamaModel:
-        from miles_aio.inference.local.weights import read_checkpoint
+        from miles_aio.engine.weights import read_checkpoint
 
         spec = LlamaSpec.from_model_dir(model_dir)
         raw = read_checkpoint(model_dir)

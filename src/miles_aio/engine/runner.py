@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from miles_aio.inference.local.model import KVPool, LlamaModel
-from miles_aio.inference.local.sampling import SamplingParams, sample_batch
+from miles_aio.engine.model import KVPool, LlamaModel
+from miles_aio.engine.sampling import SamplingParams, sample_batch
 
 __all__ = ["CachedPrefix", "ModelRunner", "PrefixCache", "Row", "StepPlan", "StepResult"]
 

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal, TypeVar
 
-from miles_aio.inference.local.sampling import TOP_K_ALL, SamplingParams
+from miles_aio.engine.sampling import TOP_K_ALL, SamplingParams
 
 __all__ = [
     "DEFAULT_GROUP_NAME",

@@ -13,9 +13,9 @@ import torch.distributed as dist
 from aiohttp import web
 from tokenizers import Tokenizer
 
-from miles_aio.inference.local import protocol as proto
-from miles_aio.inference.local.engine import LocalEngine
-from miles_aio.inference.local.model import LlamaModel
+from miles_aio.engine import protocol as proto
+from miles_aio.engine.core import LocalEngine
+from miles_aio.engine.model import LlamaModel
 
 __all__ = ["ServerConfig", "ServerState", "bad_request", "read_body", "weight_reply"]
 

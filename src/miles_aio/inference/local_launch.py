@@ -3,7 +3,7 @@
     async with launch_local_engines(model_dir, num_engines=2) as urls:
         ...  # urls == ["http://127.0.0.1:41233", "http://127.0.0.1:40111"]
 
-Each child is `python -m miles_aio.inference.local --port 0 --exit-on-stdin-eof ...`. The launcher reads
+Each child is `python -m miles_aio.engine --port 0 --exit-on-stdin-eof ...`. The launcher reads
 each child's stdout until its one JSON "ready" line (so no port is guessed and nothing polls); after that
 line the child points its stdout at its stderr, so the pipe never fills. Stderr goes to
 `<log_dir>/engine-<i>.log` (a fresh temporary folder if none is given, removed again on exit), so no task
@@ -75,7 +75,7 @@ async def launch_local_engines(
     cmd = [
         sys.executable,
         "-m",
-        "miles_aio.inference.local",
+        "miles_aio.engine",
         "--model-path",
         str(model_path),
         "--port",

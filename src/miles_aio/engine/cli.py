@@ -1,6 +1,6 @@
-"""`python -m miles_aio.inference.local`: start one embedded CPU engine (`--rollout-backend local`).
+"""`python -m miles_aio.engine`: start one embedded CPU engine (`--rollout-backend local`).
 
-    python -m miles_aio.inference.local --model-path DIR [--port 0] [--host 127.0.0.1] [--api-key KEY] ...
+    python -m miles_aio.engine --model-path DIR [--port 0] [--host 127.0.0.1] [--api-key KEY] ...
 
 Flags are checked before torch is imported, so a bad invocation fails in milliseconds with exit code 2.
 Serving on a non-loopback address requires `--api-key`: the server accepts weight paths and
@@ -23,7 +23,7 @@ __all__ = ["build_parser", "is_loopback", "main"]
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m miles_aio.inference.local",
+        prog="python -m miles_aio.engine",
         description="Embedded CPU inference engine serving SGLang's native HTTP API (a subset) with a torch "
         "Llama forward and continuous batching. Prints one JSON line {event: ready, host, port, pid} to "
         "stdout once it listens. Logs go to stderr. `kill -USR1 <pid>` dumps every thread's stack.",
@@ -125,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--weights-root {args.weights_root} is not a directory")
 
     # Imported only once the flags are valid: this pulls in torch (seconds).
-    from miles_aio.inference.local.server import ServerConfig, serve
+    from miles_aio.engine.server import ServerConfig, serve
     from miles_aio.logs import configure_logging
 
     configure_logging(args.log_format, args.log_level)

@@ -40,9 +40,9 @@ from typing import Any, Final
 import structlog
 import torch
 
-from miles_aio.inference.local.protocol import BadRequest, PauseMode
-from miles_aio.inference.local.runner import ModelRunner, PrefixCache, Row, StepPlan, StepResult
-from miles_aio.inference.local.sampling import SamplingParams
+from miles_aio.engine.protocol import BadRequest, PauseMode
+from miles_aio.engine.runner import ModelRunner, PrefixCache, Row, StepPlan, StepResult
+from miles_aio.engine.sampling import SamplingParams
 
 __all__ = ["EngineClosed", "LocalEngine", "Request"]
 

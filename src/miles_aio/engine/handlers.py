@@ -14,9 +14,9 @@ from typing import Any, Final
 
 from aiohttp import web
 
-from miles_aio.inference.local import protocol as proto
-from miles_aio.inference.local.engine import Request
-from miles_aio.inference.local.state import ServerState, read_body
+from miles_aio.engine import protocol as proto
+from miles_aio.engine.core import Request
+from miles_aio.engine.state import ServerState, read_body
 
 __all__ = ["GenerationHandlers"]
 

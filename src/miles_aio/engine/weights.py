@@ -19,7 +19,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from miles_aio.inference.local.model import LlamaSpec
+from miles_aio.engine.model import LlamaSpec
 
 __all__ = ["WeightUpdateError", "parse_dtype", "read_checkpoint", "resolve_weights_dir", "stage_update"]
 
