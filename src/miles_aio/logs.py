@@ -44,7 +44,11 @@ def configure_logging(fmt: Literal["console", "json"] = "console", level: str = 
     if fmt == "json":
         renderer = structlog.processors.JSONRenderer()
     else:
-        renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        # Plain tracebacks: rich's default shows every frame's locals, megabytes per error once tensors
+        # or long token lists are in scope.
+        renderer = structlog.dev.ConsoleRenderer(
+            colors=sys.stderr.isatty(), exception_formatter=structlog.dev.plain_traceback
+        )
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

@@ -30,9 +30,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -41,10 +42,10 @@ import structlog
 import torch
 
 from miles_aio.engine.protocol import BadRequest, PauseMode
-from miles_aio.engine.runner import ModelRunner, PrefixCache, Row, StepPlan, StepResult
-from miles_aio.engine.sampling import SamplingParams
+from miles_aio.engine.runner import ModelRunner, PrefixCache, Row, ScoredInput, StepPlan, StepResult
+from miles_aio.engine.sampling import RowSampling, SamplingParams
 
-__all__ = ["EngineClosed", "LocalEngine", "Request"]
+__all__ = ["EngineClosed", "LocalEngine", "LogprobOptions", "Request", "TokenLogprobs"]
 
 _log = structlog.get_logger(__name__)
 _STOP_TAIL_SLACK: Final = 2
@@ -55,21 +56,54 @@ class EngineClosed(RuntimeError):
     """The engine is shutting down; queued work was dropped."""
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LogprobOptions:
+    """What logprobs a request asks for, beyond the sampled token's own (SGLang's /generate fields)."""
+
+    start_len: int | None = None
+    """`logprob_start_len`: score the prompt tokens from this position on (input logprobs); None: none."""
+    top_n: int = 0
+    """`top_logprobs_num`: the n most likely tokens at every scored position (0: none)."""
+    token_ids: tuple[int, ...] = ()
+    """`token_ids_logprob`: these tokens' logprobs at every scored position."""
+
+
+TokenLogprobs = list[tuple[float, int]]
+"""(logprob, token id) pairs at one position: the top-n, or the asked-for token ids, in SGLang's order."""
+
+
 @dataclass(eq=False, kw_only=True)
 class Request:
-    """One /generate call's state. Owned by the engine; the HTTP layer only reads it once finished."""
+    """One generation's state. Owned by the engine; the HTTP layer reads it as `progress` announces output.
+
+    Input logprobs (`input_*`) cover prompt positions `logprobs.start_len ..`; the first prompt token has
+    no context, so its logprob is None (as SGLang). Output lists hold one entry per output token.
+    """
 
     rid: str
     seq: int
     prompt_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator
+    rng: random.Random
+    """The request's own sampling RNG: its draws never depend on what shares its batch."""
     future: asyncio.Future[None]
+    logprobs: LogprobOptions = field(default_factory=LogprobOptions)
     created_s: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_versions: list[str] = field(default_factory=list)
     """The weight version of the step that produced each output token."""
+    output_top_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    output_token_ids_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    input_token_ids_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    progress: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set whenever output grows or the request finishes; a stream reader clears it before reading."""
+    queued_s: float | None = None
+    """When the request entered the waiting queue (again, after a retraction); None while running."""
+    scored: bool = False
+    """Its input logprobs are computed (a retracted request is re-prefilled without re-scoring)."""
     slot: int | None = None
     prefilled: bool = False
     """The slot holds KV for every token but the last: the next step feeds only that one."""
@@ -82,10 +116,6 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
 
 
 @dataclass(eq=False, kw_only=True)
@@ -130,7 +160,7 @@ class LocalEngine:
         self.weight_version = weight_version
         self._epoch = 0
         self._cache = PrefixCache(prefix_cache_entries)
-        self._seeds = torch.Generator().manual_seed(seed)
+        self._seeds = random.Random(seed)
         self._seq = itertools.count()
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
@@ -142,13 +172,21 @@ class LocalEngine:
         self._idle = asyncio.Event()  # set while no step or weight copy is running on the compute thread
         self._idle.set()
         self._closed = False
+        self._failures = _FailureLog()
         self.forward_sleep_s: float | None = None
         self.last_step_end_s = 0.0
         self.last_gen_throughput = 0.0
 
     # ---- requests ----
 
-    def new_request(self, *, rid: str, prompt_ids: list[int], params: SamplingParams) -> Request:
+    def new_request(
+        self,
+        *,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        logprobs: LogprobOptions | None = None,
+    ) -> Request:
         """Validate against the model's limits (SGLang's wording) and build the request; BadRequest if not."""
         if rid in self._by_rid:
             raise BadRequest(f"a request with rid {rid!r} is already running")
@@ -167,35 +205,72 @@ class LocalEngine:
                 f"You requested a total of {n + params.max_new_tokens} tokens: {n} tokens from the input "
                 f"messages and {params.max_new_tokens} tokens for the completion."
             )
+        asked = logprobs.token_ids if logprobs is not None else ()
+        if bad := [t for t in asked if not 0 <= t < self._vocab]:
+            raise BadRequest(f"token_ids_logprob id {bad[0]} is out of range for vocab size {self._vocab}")
+        if bad := [t for t, _ in params.logit_bias if not 0 <= t < self._vocab]:
+            raise BadRequest(f"logit_bias must has keys in [0, {self._vocab - 1}], got {bad[0]}.")  # sic
         seed = params.sampling_seed
         if seed is None:  # one draw per request from the engine seed: batching never changes a request's RNG
-            seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
+            seed = self._seeds.getrandbits(62)
         return Request(
             rid=rid,
             seq=next(self._seq),
             prompt_ids=list(prompt_ids),
             params=params,
-            generator=torch.Generator().manual_seed(seed),
+            rng=random.Random(seed),
             future=asyncio.get_running_loop().create_future(),
+            logprobs=logprobs or LogprobOptions(),
         )
+
+    def submit(self, req: Request) -> None:
+        """Queue `req` (never blocks); its `future` resolves and `progress` is set when it finishes."""
+        if self._closed:
+            raise EngineClosed("the engine is shutting down")
+        if req.params.max_new_tokens == 0 and req.logprobs.start_len is None:
+            self._finish(req, {"type": "length", "length": 0})  # nothing to compute
+            return
+        self._by_rid[req.rid] = req
+        req.queued_s = time.monotonic()
+        self._waiting.append(req)
+        self._wake.set()
 
     async def generate(self, req: Request) -> Request:
         """Queue `req` and wait until it finishes. Cancelling the caller aborts the request."""
-        if self._closed:
-            raise EngineClosed("the engine is shutting down")
-        if req.params.max_new_tokens == 0:
-            req.finish_reason = {"type": "length", "length": 0}
-            return req
-        self._by_rid[req.rid] = req
-        self._waiting.append(req)
-        self._wake.set()
+        self.submit(req)
         try:
             await req.future
         except asyncio.CancelledError:
-            self._finish(req, _abort_reason("client disconnected"))
-            self._drop_finished_waiting()
+            self._disconnect(req)
             raise
         return req
+
+    async def stream(self, req: Request) -> AsyncIterator[int]:
+        """Queue `req` and yield how many output tokens it has, each time that grows, until it finishes.
+
+        The caller reads `req.output_ids[:n]` (and the other per-token lists) after each yield; the last
+        yield comes once `req.finished`. Nothing is polled: the engine sets `req.progress` after every
+        step that touched the request. Leaving the loop early (break, cancellation) aborts the request.
+        """
+        self.submit(req)
+        try:
+            sent = 0
+            while True:
+                req.progress.clear()
+                if len(req.output_ids) > sent or req.finished:
+                    sent = len(req.output_ids)
+                    yield sent
+                    if req.finished:
+                        return
+                    continue
+                await req.progress.wait()
+        finally:
+            self._disconnect(req)
+
+    def _disconnect(self, req: Request) -> None:
+        if not req.finished:
+            self._finish(req, _abort_reason("client disconnected"))
+            self._drop_finished_waiting()
 
     def abort(
         self, *, rid: str = "", abort_all: bool = False, message: str = "Aborted by /abort_request"
@@ -312,11 +387,12 @@ class LocalEngine:
             self._idle.clear()
             try:
                 result = await loop.run_in_executor(self._executor, self._runner.step, planned.plan)
-            except Exception as exc:  # a bug in the forward: fail this step's requests, keep serving
-                _log.exception("engine.step_failed")
-                for req in planned.requests:
-                    req.error = f"{type(exc).__name__}: {exc}"
-                    self._finish(req, _abort_reason(f"internal error: {req.error}"))
+            except Exception as exc:  # a bug in the forward: find the rows that fail, keep serving the rest
+                self._failures.report(exc, rows=len(planned.requests))
+                if len(planned.requests) > 1:
+                    await self._isolate(planned, loop)
+                else:
+                    self._fail(planned.requests[0], exc)
             else:
                 self._apply(planned, result)
             finally:
@@ -324,6 +400,28 @@ class LocalEngine:
                 self._reap()
             if self.forward_sleep_s:  # SGLang's /slow_down test hook: a slower "forward", not holding the KV
                 await asyncio.sleep(self.forward_sleep_s)
+
+    async def _isolate(self, planned: _Planned, loop: asyncio.AbstractEventLoop) -> None:
+        """Re-run a failed step row by row (steps are idempotent on the KV): only the rows that fail
+        alone fail their request; the others get their token as if the step had succeeded."""
+        for i, req in enumerate(planned.requests):
+            if req.finished:
+                continue
+            single = _Planned(
+                plan=planned.plan.single(i), requests=[req], version=planned.version, epoch=planned.epoch
+            )
+            try:
+                result = await loop.run_in_executor(self._executor, self._runner.step, single.plan)
+            except Exception as exc:
+                self._failures.report(exc, rows=1)
+                self._fail(req, exc)
+            else:
+                self._apply(single, result)
+
+    def _fail(self, req: Request, exc: Exception) -> None:
+        req.error = f"{type(exc).__name__}: {exc}"
+        _log.warning("engine.request_failed", rid=req.rid, error=req.error)
+        self._finish(req, _abort_reason(f"internal error: {req.error}"))
 
     def _ready_op(self) -> _WeightOp | None:
         if not self._ops:
@@ -371,34 +469,18 @@ class LocalEngine:
         dec_reqs: list[Request] = []
         for req in self._running:
             assert req.slot is not None
-            ids = req.all_ids
-            if req.prefilled:
+            if req.prefilled:  # feed only the newest token: O(1) per request, however long it is
                 decodes.append(
                     Row(
                         slot=req.slot,
-                        tokens=[ids[-1]],
-                        start=len(ids) - 1,
-                        params=req.params,
-                        generator=req.generator,
+                        tokens=[req.output_ids[-1]],
+                        start=len(req.prompt_ids) + len(req.output_ids) - 1,
+                        sampling=self._sampling(req),
                     )
                 )
                 dec_reqs.append(req)
                 continue
-            reused, entry = self._cache.lookup(ids, epoch=self._epoch)
-            req.cached_tokens += reused
-            # Cache the prompt's KV on its first prefill, unless the cache already covers it.
-            save = len(req.prompt_ids) if not req.output_ids and reused < len(req.prompt_ids) - 1 else 0
-            prefills.append(
-                Row(
-                    slot=req.slot,
-                    tokens=ids[reused:],
-                    start=reused,
-                    params=req.params,
-                    generator=req.generator,
-                    reuse=entry,
-                    save_prefix=save,
-                )
-            )
+            prefills.append(self._prefill_row(req))
             pre_reqs.append(req)
         if not prefills and not decodes:
             return None
@@ -409,24 +491,91 @@ class LocalEngine:
             epoch=self._epoch,
         )
 
+    def _sampling(self, req: Request) -> RowSampling | None:
+        if len(req.output_ids) >= req.params.max_new_tokens:
+            return None  # max_new_tokens 0: a prefill that only scores its input
+        p = req.params
+        return RowSampling(
+            params=p,
+            rng=req.rng,
+            output_ids=req.output_ids,
+            stop_ids=(self._eos | p.stop_token_ids) if p.min_new_tokens else frozenset(),
+            top_n=req.logprobs.top_n,
+            token_ids=req.logprobs.token_ids,
+        )
+
+    def _prefill_row(self, req: Request) -> Row:
+        """Prefill prompt + output so far, reusing cached prompt KV, and scoring the prompt if asked.
+
+        Scoring prompt tokens from position s needs the logits of position s - 1, so the reusable cache
+        prefix is capped there (SGLang caps its prefix match at `logprob_start_len` the same way)."""
+        ids = req.prompt_ids + req.output_ids
+        start_len = req.logprobs.start_len
+        score = start_len is not None and not req.scored and start_len < len(req.prompt_ids)
+        first_scored = max(start_len or 0, 1)
+        reused, entry = self._cache.lookup(ids, epoch=self._epoch)
+        if score and reused > first_scored - 1:
+            reused = first_scored - 1
+            entry = entry if reused else None
+        req.cached_tokens += reused
+        # Cache the prompt's KV on its first prefill, unless the cache already covers it.
+        save = len(req.prompt_ids) if not req.output_ids and reused < len(req.prompt_ids) - 1 else 0
+        return Row(
+            slot=req.slot if req.slot is not None else -1,
+            tokens=ids[reused:],
+            start=reused,
+            sampling=self._sampling(req),
+            reuse=entry,
+            save_prefix=save,
+            score_from=(first_scored - reused) if score and len(req.prompt_ids) > 1 else None,
+            score_top_n=req.logprobs.top_n,
+            score_token_ids=req.logprobs.token_ids,
+        )
+
     def _apply(self, planned: _Planned, result: StepResult) -> None:
         for i, (k, v) in result.saved.items():
             self._cache.insert(planned.requests[i].prompt_ids, k, v, epoch=planned.epoch)
-        for req, token, logprob in zip(planned.requests, result.tokens, result.logprobs, strict=True):
+        for i, scored in result.scored.items():
+            self._record_input_logprobs(planned.requests[i], scored)
+        for req, drawn in zip(planned.requests, result.sampled, strict=True):
             if req.finished:  # aborted while the step ran: its token is dropped, its slot reaped
                 continue
             req.prefilled = True
-            req.output_ids.append(token)
-            req.output_logprobs.append(logprob)
+            if req.logprobs.start_len is not None and not req.scored:
+                req.scored = True
+                if req.logprobs.start_len == 0 and not req.input_logprobs:  # a 1-token prompt
+                    req.input_logprobs = [None]
+            if drawn is None:  # a score-only request is done once its prompt is scored
+                self._finish(req, {"type": "length", "length": len(req.output_ids)})
+                continue
+            req.output_ids.append(drawn.token)
+            req.output_logprobs.append(drawn.logprob)
             req.output_versions.append(planned.version)
+            if drawn.top is not None:
+                req.output_top_logprobs.append(drawn.top)
+            if drawn.token_ids is not None:
+                req.output_token_ids_logprobs.append(drawn.token_ids)
             if (reason := self._finish_reason(req)) is not None:
                 self._finish(req, reason)
+            else:
+                req.progress.set()
         self.last_step_end_s = time.monotonic()
         self.last_gen_throughput = len(planned.requests) / max(result.seconds, 1e-9)
+
+    def _record_input_logprobs(self, req: Request, scored: ScoredInput) -> None:
+        """SGLang's input_* lists: from `logprob_start_len`; position 0 (no context) gets None."""
+        first = req.logprobs.start_len == 0
+        req.input_logprobs = [None] * first + list(scored.logprobs)
+        if scored.top is not None:
+            req.input_top_logprobs = [None] * first + list(scored.top)
+        if scored.token_ids is not None:
+            req.input_token_ids_logprobs = [None] * first + list(scored.token_ids)
 
     def _finish_reason(self, req: Request) -> dict[str, Any] | None:
         # SGLang's order (schedule_batch.py update_finish_state): stop string, stop token/EOS, length.
         params, n, token = req.params, len(req.output_ids), req.output_ids[-1]
+        if n < params.min_new_tokens and n < params.max_new_tokens:
+            return None if len(req.prompt_ids) + n < self.context_len else {"type": "length", "length": n}
         if params.stop:
             longest = max(len(s) for s in params.stop)
             tail = self._detokenize(req.output_ids[-(longest + _STOP_TAIL_SLACK) :])
@@ -448,6 +597,7 @@ class LocalEngine:
             del self._by_rid[req.rid]
         if not req.future.done():
             req.future.set_result(None)
+        req.progress.set()
 
     def _drop_finished_waiting(self) -> None:
         if any(r.finished for r in self._waiting):
@@ -471,3 +621,20 @@ class LocalEngine:
 def _abort_reason(message: str) -> dict[str, Any]:
     # SGLang's FINISH_ABORT.to_json(); status_code None means "answer 200 with the partial output".
     return {"type": "abort", "message": message, "status_code": None, "err_type": None}
+
+
+class _FailureLog:
+    """Step failures, logged without flooding: the first occurrence of each distinct error with its
+    traceback (no locals), repeats as one counted line each."""
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple[str, str], int] = {}
+
+    def report(self, exc: Exception, *, rows: int) -> None:
+        key = (type(exc).__name__, str(exc)[:200])
+        count = self._seen.get(key, 0) + 1
+        self._seen[key] = count
+        if count == 1:
+            _log.error("engine.step_failed", rows=rows, exc_info=exc)
+        else:
+            _log.warning("engine.step_failed_again", rows=rows, error=f"{key[0]}: {key[1]}", times=count)

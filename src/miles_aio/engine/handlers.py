@@ -7,6 +7,7 @@ SGLang's shape; `BadRequest` raised anywhere becomes a 400 in the server's error
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 import uuid
@@ -15,7 +16,7 @@ from typing import Any, Final
 from aiohttp import web
 
 from miles_aio.engine import protocol as proto
-from miles_aio.engine.core import Request
+from miles_aio.engine.core import LogprobOptions, Request, TokenLogprobs
 from miles_aio.engine.state import ServerState, read_body
 
 __all__ = ["GenerationHandlers"]
@@ -30,23 +31,73 @@ class GenerationHandlers:
         self.s = state
         self.engine = state.engine
 
-    async def generate(self, request: web.Request) -> web.Response:
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        """`/generate`: one prompt, or a batch, each sampled n times; one JSON answer (a list for a batch
+        or n > 1, in SGLang's order), or with `stream` an SSE stream of cumulative answers, each carrying
+        `index` for a batch, ending in `data: [DONE]`. Every prompt is checked before any is queued."""
         req = proto.parse_generate(await read_body(request))
-        if req.input_ids is not None:
-            prompt = req.input_ids
+        reqs = [self._new_request(item) for item in req.items]
+        if req.stream:
+            return await self._stream(request, req, reqs)
+        async with asyncio.TaskGroup() as tg:
+            for r in reqs:
+                tg.create_task(self.engine.generate(r), name=f"generate-{r.rid}")
+        if failed := [r for r in reqs if r.error is not None]:
+            return web.json_response({"error": {"message": failed[0].error}}, status=500)
+        out = [self._response(r, req, item) for r, item in zip(reqs, req.items, strict=True)]
+        return web.json_response(out if req.batch else out[0])
+
+    def _new_request(self, item: proto.GenerateItem) -> Request:
+        if item.input_ids is not None:
+            prompt = item.input_ids
         elif self.s.tokenizer is None:
             raise proto.BadRequest("text input needs a tokenizer.json in the model dir; send input_ids")
         else:
-            prompt = self.s.tokenizer.encode(req.text or "").ids
+            prompt = self.s.tokenizer.encode(item.text or "").ids
             if not prompt:
                 raise proto.BadRequest("the text encodes to no tokens")
-        r = self.engine.new_request(rid=req.rid or uuid.uuid4().hex, prompt_ids=prompt, params=req.params)
-        r = await self.engine.generate(r)
-        if r.error is not None:
-            return web.json_response({"error": {"message": r.error}}, status=500)
-        return web.json_response(self._response(r, req))
+        logprobs = LogprobOptions(
+            start_len=item.logprob_start_len if item.return_logprob and item.logprob_start_len >= 0 else None,
+            top_n=item.top_logprobs_num if item.return_logprob else 0,
+            token_ids=item.token_ids_logprob if item.return_logprob else (),
+        )
+        return self.engine.new_request(
+            rid=item.rid or uuid.uuid4().hex, prompt_ids=prompt, params=item.params, logprobs=logprobs
+        )
 
-    def _response(self, r: Request, req: proto.GenerateReq) -> dict[str, Any]:
+    async def _stream(
+        self, request: web.Request, req: proto.GenerateReq, reqs: list[Request]
+    ) -> web.StreamResponse:
+        """SSE: one `data:` chunk per request and step that grew it (SGLang's non-incremental chunks:
+        the text and output ids so far), then `data: [DONE]`. A client that goes away aborts the rest."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        chunks: asyncio.Queue[bytes | None] = asyncio.Queue()
+
+        async def pump(index: int, r: Request, item: proto.GenerateItem) -> None:
+            async for _ in self.engine.stream(r):
+                out = self._response(r, req, item)
+                if req.batch:
+                    out["index"] = index
+                if r.error is not None:
+                    out = {"error": {"message": r.error, "type": "internal_error", "code": 500}}
+                await chunks.put(b"data: " + json.dumps(out).encode() + b"\n\n")
+
+        async def pump_all() -> None:
+            async with asyncio.TaskGroup() as tg:
+                for i, (r, item) in enumerate(zip(reqs, req.items, strict=True)):
+                    tg.create_task(pump(i, r, item), name=f"stream-{r.rid}")
+            await chunks.put(None)
+
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(pump_all(), name="stream-pumps")
+            while (chunk := await chunks.get()) is not None:
+                await resp.write(chunk)  # a vanished client raises here: the TaskGroup aborts the pumps
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    def _response(self, r: Request, req: proto.GenerateReq, item: proto.GenerateItem) -> dict[str, Any]:
         text = self.s.decode(r.output_ids, skip_special_tokens=r.params.skip_special_tokens)
         if (
             r.matched_stop is not None
@@ -66,19 +117,42 @@ class GenerationHandlers:
             "num_retractions": r.num_retractions,
             "e2e_latency": time.monotonic() - r.created_s,
         }
-        if req.return_logprob:
-            texts: list[str | None] = (
-                [self.s.decode([t], skip_special_tokens=False) for t in r.output_ids]
-                if req.return_text_in_logprobs
-                else [None] * len(r.output_ids)
-            )
-            meta["output_token_logprobs"] = [
-                list(e) for e in zip(r.output_logprobs, r.output_ids, texts, strict=True)
-            ]
-        out: dict[str, Any] = {"text": text, "output_ids": r.output_ids, "meta_info": meta}
+        if item.return_logprob:
+            self._add_logprobs(meta, r, req.return_text_in_logprobs)
+        out: dict[str, Any] = {"text": text, "output_ids": list(r.output_ids), "meta_info": meta}
         if req.return_prompt_token_ids:
             out["prompt_token_ids"] = r.prompt_ids
         return out
+
+    def _add_logprobs(self, meta: dict[str, Any], r: Request, with_text: bool) -> None:
+        """SGLang's `add_logprob_to_meta_info`: [logprob, token id, text or None] triples; top-n and
+        token-id lists per position (None where a position has none: the first prompt token)."""
+        n_out = len(r.output_ids)
+        start = r.logprobs.start_len
+        in_ids = r.prompt_ids[start:] if start is not None else []
+        meta["input_token_logprobs"] = self._triples(r.input_logprobs, in_ids, with_text)
+        meta["output_token_logprobs"] = self._triples(r.output_logprobs[:n_out], r.output_ids, with_text)
+        meta["output_token_logprobs_length"] = n_out
+        if r.logprobs.top_n > 0:
+            meta["input_top_logprobs"] = [self._pairs(p, with_text) for p in r.input_top_logprobs]
+            meta["output_top_logprobs"] = [self._pairs(p, with_text) for p in r.output_top_logprobs[:n_out]]
+        if r.logprobs.token_ids:
+            meta["input_token_ids_logprobs"] = [self._pairs(p, with_text) for p in r.input_token_ids_logprobs]
+            meta["output_token_ids_logprobs"] = [
+                self._pairs(p, with_text) for p in r.output_token_ids_logprobs[:n_out]
+            ]
+
+    def _triples(self, logprobs: list[Any], ids: list[int], with_text: bool) -> list[list[Any]]:
+        texts = [self._token_text(t) for t in ids] if with_text else [None] * len(ids)
+        return [list(e) for e in zip(logprobs, ids, texts, strict=True)]
+
+    def _pairs(self, pairs: TokenLogprobs | None, with_text: bool) -> list[list[Any]] | None:
+        if pairs is None:
+            return None
+        return [[lp, t, self._token_text(t) if with_text else None] for lp, t in pairs]
+
+    def _token_text(self, token: int) -> str:
+        return self.s.decode([token], skip_special_tokens=False)
 
     async def abort_request(self, request: web.Request) -> web.Response:
         req = proto.parse_abort(await read_body(request))

@@ -246,8 +246,10 @@ class LlamaModel:
         slots: torch.Tensor,
         kv: KVPool,
         kv_len: int,
+        logits_from: int | None = None,
     ) -> torch.Tensor:
-        """Logits of the LAST fed position of each row, float32 [B, vocab].
+        """Logits of the LAST fed position of each row, float32 [B, vocab]; with `logits_from` (B == 1),
+        the logits of every fed position from that index on, [T - logits_from, vocab].
 
         `input_ids`, `positions`: [B, T] (every row has T real tokens: a prefill is one row, a decode step
         has T = 1). `slots`: [B] cache slot of each row. `kv_len`: attend over key positions [0, kv_len);
@@ -263,6 +265,10 @@ class LlamaModel:
         key_pos = torch.arange(kv_len)
         mask = key_pos[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, kv_len]
         slot_idx = slots[:, None]  # [B, 1] with positions [B, T] → writes land at [B, T]
+        # Consecutive slots (the usual case: slots are handed out lowest first) are read as a view of the
+        # pool; any other set is gathered, a copy of every row's keys/values per layer.
+        first = int(slots[0])
+        span = slice(first, first + b) if bool((slots == torch.arange(first, first + b)).all()) else None
         for i in range(spec.num_layers):
             p = f"model.layers.{i}."
             x = _rms_norm(h, w[p + "input_layernorm.weight"], spec.rms_norm_eps)
@@ -274,14 +280,17 @@ class LlamaModel:
             # Advanced indices [B,1] and [B,T] around a slice put the indexed dims first: [B, T, nkv, hd].
             kv.k[i][slot_idx, :, positions] = k.transpose(1, 2)
             kv.v[i][slot_idx, :, positions] = v.transpose(1, 2)
-            keys = kv.k[i][slots, :, :kv_len]
-            values = kv.v[i][slots, :, :kv_len]
+            if span is not None:
+                keys, values = kv.k[i][span, :, :kv_len], kv.v[i][span, :, :kv_len]
+            else:
+                keys, values = kv.k[i][slots, :, :kv_len], kv.v[i][slots, :, :kv_len]
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=nh != nkv)
             h = h + _linear(attn.transpose(1, 2).reshape(b, t, nh * hd), w, p + "self_attn.o_proj")
             x = _rms_norm(h, w[p + "post_attention_layernorm.weight"], spec.rms_norm_eps)
             gate = F.silu(_linear(x, w, p + "mlp.gate_proj"))
             h = h + _linear(gate * _linear(x, w, p + "mlp.up_proj"), w, p + "mlp.down_proj")
-        last = _rms_norm(h[:, -1], w["model.norm.weight"], spec.rms_norm_eps)
+        last = h[0, logits_from:] if logits_from is not None else h[:, -1]
+        last = _rms_norm(last, w["model.norm.weight"], spec.rms_norm_eps)
         head = w["model.embed_tokens.weight"] if spec.tie_word_embeddings else w["lm_head.weight"]
         return (last @ head.T).float()
 

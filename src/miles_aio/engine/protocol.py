@@ -4,13 +4,15 @@ Field names, defaults and types follow SGLang 0.5.x: `/generate` as `sglang/api/
 (`GenerateRequest`, `SamplingParams`: unknown sampling keys rejected, unknown top-level keys ignored),
 the control endpoints as the `*ReqInput` structs of `sglang/srt/managers/io_struct.py`.
 
-The embedded engine implements a subset. A request that asks for something it cannot produce (streaming,
-batch input, top-logprobs, stop regexes, penalties, ...) is rejected with a 400 that says so, rather than
-answered as if the option had been honoured.
+The embedded engine implements what RL clients and SGLang's own tests use (batch input, n, streaming,
+input/top/token-id logprobs, penalties, logit bias, min_new_tokens, stops). A request that asks for
+something it cannot produce (constrained decoding, stop regexes, multimodal input, LoRA, hidden states,
+...) is rejected with a 400 naming the field, rather than answered as if the option had been honoured.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal, TypeVar
@@ -21,6 +23,7 @@ __all__ = [
     "DEFAULT_GROUP_NAME",
     "AbortReq",
     "BadRequest",
+    "GenerateItem",
     "GenerateReq",
     "InitGroupReq",
     "PauseMode",
@@ -47,19 +50,19 @@ T = TypeVar("T")
 
 # SamplingParams keys SGLang accepts; the second set is accepted only at its default (None/0/1/{}/[]).
 _SAMPLING_KEYS_IMPLEMENTED: Final = frozenset(
-    {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos",
+    {"max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
+     "presence_penalty", "repetition_penalty", "logit_bias", "stop", "stop_token_ids", "ignore_eos",
      "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval", "n",
      "sampling_seed"}
 )  # fmt: skip
 _SAMPLING_DEFAULT_ONLY: Final[dict[str, object]] = {
-    "stop_regex": None, "min_new_tokens": 0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-    "repetition_penalty": 1.0, "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None,
-    "logit_bias": {}, "custom_params": None, "beam_width": None, "watermark": None, "choice": [],
+    "stop_regex": None, "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None,
+    "custom_params": None, "beam_width": None, "watermark": None, "choice": [],
 }  # fmt: skip
 # Top-level /generate fields that ask for output or behaviour this engine does not have.
 _GENERATE_DEFAULT_ONLY: Final[dict[str, object]] = {
-    "stream": False, "input_embeds": None, "top_logprobs_num": None, "token_ids_logprob": None,
-    "return_hidden_states": None, "return_routed_experts": None, "return_sampling_mask": None,
+    "input_embeds": None, "return_hidden_states": None, "return_routed_experts": None,
+    "return_sampling_mask": None,
     "image_data": None, "video_data": None, "audio_data": None, "lora_path": None,
     "session_params": None, "custom_logit_processor": None,
 }  # fmt: skip
@@ -74,12 +77,27 @@ class BadRequest(ValueError):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class GenerateReq:
+class GenerateItem:
+    """One generation of a (possibly batched, possibly n > 1) /generate request."""
+
     rid: str | None
     input_ids: list[int] | None
     text: str | None
     params: SamplingParams
     return_logprob: bool
+    logprob_start_len: int
+    """-1: no input logprobs (SGLang's default)."""
+    top_logprobs_num: int
+    token_ids_logprob: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GenerateReq:
+    items: list[GenerateItem]
+    """In SGLang's order: for each prompt of the batch, its n samples (rids `<rid>_<i>` when one rid)."""
+    batch: bool
+    """Answer a list (batch input, or n > 1), as SGLang, instead of one object."""
+    stream: bool
     return_text_in_logprobs: bool
     return_prompt_token_ids: bool
 
@@ -131,41 +149,146 @@ class UpdateVersionReq:
 
 
 def parse_generate(body: object) -> GenerateReq:
+    """SGLang's `GenerateReqInput` and its normalisation (`io_struct.py` `normalize_batch_and_arguments`):
+    a single prompt, or a batch (a list of texts / of input_id lists), each expanded to
+    `sampling_params.n` samples; per-item lists of sampling_params, rids and logprob fields."""
     m = _object(body, "GenerateRequest")
     for key, default in _GENERATE_DEFAULT_ONLY.items():
         if m.get(key) not in (None, default):
             raise BadRequest(f"{key}={m[key]!r} is not supported by the embedded engine")
-    if (
-        isinstance(m.get("rid"), list)
-        or isinstance(m.get("text"), list)
-        or isinstance(m.get("sampling_params"), list)
-    ):
-        raise BadRequest(
-            "batch requests (lists of rid/text/sampling_params) are not supported by the embedded engine"
+    prompts = _prompts(m)
+    single = prompts is None
+    ids_or_texts: list[tuple[list[int] | None, str | None]] = (
+        [_single_prompt(m)] if prompts is None else prompts
+    )
+    size = len(ids_or_texts)
+    raw_params = m.get("sampling_params")
+    if isinstance(raw_params, list):
+        if single or len(raw_params) != size:
+            raise BadRequest("sampling_params must be one object, or a list as long as the batch")
+        params = [parse_sampling_params(p) for p in raw_params]
+    else:
+        params = [parse_sampling_params(raw_params)] * size
+    n = params[0].n
+    if any(p.n != n for p in params):
+        raise BadRequest("The parallel_sample_num should be the same for all samples in sample params.")
+    rids = _rids(m.get("rid"), size=size, single=single, n=n)
+    per_item = {
+        key: _per_item(m, key, kind, default, size=size, n=n)
+        for key, kind, default in (
+            ("return_logprob", bool, False),
+            ("logprob_start_len", int, -1),
+            ("top_logprobs_num", int, 0),
         )
+    }
+    token_ids = _token_ids_logprob(m.get("token_ids_logprob"), size=size, n=n)
+    items: list[GenerateItem] = []
+    for i, (ids, text) in enumerate(ids_or_texts):
+        if per_item["top_logprobs_num"][i] < 0:
+            raise BadRequest(f"top_logprobs_num must be >= 0, got {per_item['top_logprobs_num'][i]}")
+        if per_item["logprob_start_len"][i] < -1:
+            raise BadRequest(f"logprob_start_len must be >= -1, got {per_item['logprob_start_len'][i]}")
+        for j in range(n):
+            items.append(
+                GenerateItem(
+                    rid=rids[i * n + j],
+                    input_ids=ids,
+                    text=text,
+                    params=params[i],
+                    return_logprob=bool(per_item["return_logprob"][i]),
+                    logprob_start_len=int(per_item["logprob_start_len"][i]),
+                    top_logprobs_num=int(per_item["top_logprobs_num"][i]),
+                    token_ids_logprob=token_ids[i],
+                )
+            )
+    return GenerateReq(
+        items=items,
+        batch=not single or n > 1,
+        stream=bool(_opt(m, "stream", bool)),
+        return_text_in_logprobs=bool(_opt(m, "return_text_in_logprobs", bool)),
+        return_prompt_token_ids=bool(_opt(m, "return_prompt_token_ids", bool)),
+    )
+
+
+def _single_prompt(m: Mapping[str, Any]) -> tuple[list[int] | None, str | None]:
     ids = m.get("input_ids")
-    if isinstance(ids, list) and ids and isinstance(ids[0], list):
-        raise BadRequest("batch input_ids (a list of lists) is not supported by the embedded engine")
     input_ids = None if ids is None else _int_list(ids, "input_ids")
     text = _opt(m, "text", str)
     if (input_ids is None) == (text is None):
-        raise BadRequest("exactly one of input_ids or text must be given")
+        raise BadRequest("Either text, input_ids or input_embeds should be provided.")
     if input_ids is not None and not input_ids:
         raise BadRequest("input_ids must not be empty")
     if text is not None and not text:
         raise BadRequest("text must not be empty")
-    start = _opt(m, "logprob_start_len", int)
-    if start not in (None, -1):
-        raise BadRequest("logprob_start_len >= 0 (input logprobs) is not supported by the embedded engine")
-    return GenerateReq(
-        rid=_opt(m, "rid", str),
-        input_ids=input_ids,
-        text=text,
-        params=parse_sampling_params(m.get("sampling_params")),
-        return_logprob=bool(_opt(m, "return_logprob", bool)),
-        return_text_in_logprobs=bool(_opt(m, "return_text_in_logprobs", bool)),
-        return_prompt_token_ids=bool(_opt(m, "return_prompt_token_ids", bool)),
-    )
+    return input_ids, text
+
+
+def _prompts(m: Mapping[str, Any]) -> list[tuple[list[int] | None, str | None]] | None:
+    """The batch's prompts, or None for a single prompt."""
+    text, ids = m.get("text"), m.get("input_ids")
+    if isinstance(text, list):
+        if ids is not None:
+            raise BadRequest("Either text, input_ids or input_embeds should be provided.")
+        if not text or not all(isinstance(t, str) and t for t in text):
+            raise BadRequest("a batch of text must be a non-empty list of non-empty strings", contract=True)
+        return [(None, t) for t in text]
+    if isinstance(ids, list) and ids and isinstance(ids[0], list):
+        if text is not None:
+            raise BadRequest("Either text, input_ids or input_embeds should be provided.")
+        out: list[tuple[list[int] | None, str | None]] = []
+        for i, row in enumerate(ids):
+            row_ids = _int_list(row, f"input_ids[{i}]")
+            if not row_ids:
+                raise BadRequest(f"input_ids[{i}] must not be empty")
+            out.append((row_ids, None))
+        return out
+    return None
+
+
+def _rids(raw: object, *, size: int, single: bool, n: int) -> list[str | None]:
+    """SGLang's rid expansion: one rid for n > 1 or a batch becomes `<rid>_<i>`; a list gives one per prompt,
+    whose n samples get fresh rids (SGLang's `regenerate_rid`)."""
+    total = size * n
+    if raw is None:
+        return [None] * total
+    if isinstance(raw, str):
+        return [raw] if single and n == 1 else [f"{raw}_{i}" for i in range(total)]
+    if isinstance(raw, list) and all(isinstance(r, str) for r in raw):
+        if single or len(raw) != size:
+            raise BadRequest("The specified rids length mismatch with the batch_size for batch processing.")
+        return [r if n == 1 else None for r in raw for _ in range(n)]
+    raise BadRequest("The rid should be a string or a list of strings.")
+
+
+def _per_item(m: Mapping[str, Any], key: str, kind: type, default: object, *, size: int, n: int) -> list[Any]:
+    raw = m.get(key)
+    if isinstance(raw, list):
+        if n > 1:
+            raise BadRequest(f"Cannot use list {key} with parallel_sample_num > 1")
+        if len(raw) != size:
+            raise BadRequest(f"{key} must be one value, or a list as long as the batch")
+        return [default if v is None else _checked(v, key, kind) for v in raw]
+    return [default if raw is None else _checked(raw, key, kind)] * size
+
+
+def _checked(value: object, key: str, kind: type) -> object:
+    if not _is(value, kind):
+        raise BadRequest(f"invalid type for `{key}`: {value!r}, expected {kind.__name__}", contract=True)
+    return value
+
+
+def _token_ids_logprob(raw: object, *, size: int, n: int) -> list[tuple[int, ...]]:
+    if not raw:
+        return [()] * size
+    if isinstance(raw, list) and all(_is(t, int) for t in raw):
+        return [tuple(raw)] * size
+    if isinstance(raw, list) and all(isinstance(r, list) for r in raw):
+        if n > 1:
+            raise BadRequest("Cannot use list token_ids_logprob with parallel_sample_num > 1")
+        if len(raw) != size:
+            raise BadRequest("token_ids_logprob must be one list of ids, or one list per prompt")
+        return [tuple(_int_list(r, "token_ids_logprob")) for r in raw]
+    raise BadRequest("invalid type for `token_ids_logprob`: expected a list of integers", contract=True)
 
 
 def parse_sampling_params(raw: object) -> SamplingParams:
@@ -177,6 +300,7 @@ def parse_sampling_params(raw: object) -> SamplingParams:
         if m.get(key) not in (None, default):
             raise BadRequest(f"sampling_params.{key}={m[key]!r} is not supported by the embedded engine")
     max_new = _opt(m, "max_new_tokens", int)
+    min_new = _opt(m, "min_new_tokens", int)
     temperature = _opt(m, "temperature", float)
     top_p = _opt(m, "top_p", float)
     top_k = _opt(m, "top_k", int)
@@ -189,33 +313,76 @@ def parse_sampling_params(raw: object) -> SamplingParams:
     stop_ids = m.get("stop_token_ids")
     params = SamplingParams(
         max_new_tokens=128 if max_new is None else max_new,
+        min_new_tokens=0 if min_new is None else min_new,
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
         top_k=TOP_K_ALL if top_k in (None, -1) else top_k,
         min_p=0.0 if min_p is None else min_p,
+        frequency_penalty=_opt(m, "frequency_penalty", float) or 0.0,
+        presence_penalty=_opt(m, "presence_penalty", float) or 0.0,
+        repetition_penalty=_or(_opt(m, "repetition_penalty", float), 1.0),
+        logit_bias=_logit_bias(m.get("logit_bias")),
         stop=tuple(s for s in stop if s),
         stop_token_ids=frozenset(() if stop_ids is None else _int_list(stop_ids, "stop_token_ids")),
         ignore_eos=bool(_opt(m, "ignore_eos", bool)),
         skip_special_tokens=_opt(m, "skip_special_tokens", bool) is not False,
+        spaces_between_special_tokens=_opt(m, "spaces_between_special_tokens", bool) is not False,
         no_stop_trim=bool(_opt(m, "no_stop_trim", bool)),
+        n=1 if n is None else n,
         sampling_seed=_opt(m, "sampling_seed", int),
     )
-    _opt(m, "spaces_between_special_tokens", bool)
     _opt(m, "stream_interval", int)
-    # Value checks, with SGLang's wording where it has one (sampling_params.py `verify`).
+    # Value checks, with SGLang's wording (sampling_params.py `verify`).
     if params.max_new_tokens < 0:
         raise BadRequest(f"max_new_tokens must be at least 0, got {params.max_new_tokens}.")
-    if params.temperature < 0.0:
-        raise BadRequest(f"temperature must be non-negative, got {params.temperature}.")
+    if not 0 <= params.min_new_tokens <= params.max_new_tokens:
+        raise BadRequest(
+            f"min_new_tokens must be in [0, max_new_tokens({params.max_new_tokens})], "
+            f"got {params.min_new_tokens}."
+        )
+    if not math.isfinite(params.temperature) or params.temperature < 0.0:
+        raise BadRequest(f"temperature must be a non-negative finite number, got {params.temperature}.")
     if not 0.0 < params.top_p <= 1.0:
         raise BadRequest(f"top_p must be in (0, 1], got {params.top_p}.")
     if params.top_k < 1:
-        raise BadRequest(f"top_k must be -1 (disable), or at least 1, got {params.top_k}.")
+        raise BadRequest(f"top_k must be -1 (disable) or at least 1, got {params.top_k}.")
     if not 0.0 <= params.min_p <= 1.0:
         raise BadRequest(f"min_p must be in [0, 1], got {params.min_p}.")
-    if n not in (None, 1):
-        raise BadRequest(f"n={n} is not supported by the embedded engine (send n separate requests)")
+    if not -2.0 <= params.frequency_penalty <= 2.0:
+        raise BadRequest(f"frequency_penalty must be in [-2, 2], got {params.frequency_penalty}.")
+    if not -2.0 <= params.presence_penalty <= 2.0:
+        raise BadRequest(f"presence_penalty must be in [-2, 2], got {params.presence_penalty}.")
+    if not 0.0 < params.repetition_penalty <= 2.0:
+        raise BadRequest(
+            f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {params.repetition_penalty}."
+        )
+    if params.n < 1:
+        raise BadRequest(f"n must be at least 1, got {params.n}.")
     return params
+
+
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value
+
+
+def _logit_bias(raw: object) -> tuple[tuple[int, float], ...]:
+    """SGLang's `logit_bias`: {"<token id>": bias}; keys are token ids as strings (as in OpenAI's API)."""
+    if not raw:
+        return ()
+    if not isinstance(raw, dict):
+        raise BadRequest(
+            "invalid type for `logit_bias`: expected an object of token id -> bias", contract=True
+        )
+    out: list[tuple[int, float]] = []
+    for key, bias in raw.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise BadRequest(f"logit_bias key {key!r} is not a token id") from None
+        if not _is(bias, float):
+            raise BadRequest(f"logit_bias[{key!r}] must be a number, got {bias!r}", contract=True)
+        out.append((token, float(bias)))
+    return tuple(sorted(out))
 
 
 def parse_abort(body: object) -> AbortReq:

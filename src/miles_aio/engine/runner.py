@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 import torch
 
 from miles_aio.engine.model import KVPool, LlamaModel
-from miles_aio.engine.sampling import SamplingParams, sample_batch
+from miles_aio.engine.sampling import RowSampling, SampledRow, sample_batch, top_n
 
-__all__ = ["CachedPrefix", "ModelRunner", "PrefixCache", "Row", "StepPlan", "StepResult"]
+__all__ = ["CachedPrefix", "ModelRunner", "PrefixCache", "Row", "ScoredInput", "StepPlan", "StepResult"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,12 +42,26 @@ class Row:
     slot: int
     tokens: list[int]
     start: int
-    params: SamplingParams
-    generator: torch.Generator
+    sampling: RowSampling | None
+    """How to sample the next token; None for a prefill that only scores its input (max_new_tokens 0)."""
     reuse: CachedPrefix | None = None
     """Copy this prefix's first `start` positions into the slot before feeding (a prefix-cache hit)."""
     save_prefix: int = 0
     """After the forward, return a copy of the slot's first `save_prefix` positions for the cache."""
+    score_from: int | None = None
+    """Prefill only: return the logprobs of the fed tokens from this index of `tokens` on (index >= 1:
+    token j is scored by the logits at fed position j - 1)."""
+    score_top_n: int = 0
+    score_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ScoredInput:
+    """Logprobs of fed (prompt) tokens, one entry per scored token."""
+
+    logprobs: list[float]
+    top: list[list[tuple[float, int]]] | None
+    token_ids: list[list[tuple[float, int]]] | None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -57,41 +71,68 @@ class StepPlan:
     decodes: list[Row]
     """Rows fed together as one batch (one token each)."""
 
+    @property
+    def rows(self) -> list[Row]:
+        return [*self.prefills, *self.decodes]
+
+    def single(self, i: int) -> StepPlan:
+        """The plan of row `i` alone (plan order: prefills, then decodes)."""
+        n = len(self.prefills)
+        return (
+            StepPlan(prefills=[self.prefills[i]], decodes=[])
+            if i < n
+            else StepPlan(prefills=[], decodes=[self.decodes[i - n]])
+        )
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StepResult:
-    tokens: list[int]
-    """One sampled token per row: prefills first, then decodes, in plan order."""
-    logprobs: list[float]
+    sampled: list[SampledRow | None]
+    """One sampled token per row (None for score-only rows): prefills first, then decodes, in plan order."""
+    scored: dict[int, ScoredInput] = field(default_factory=dict)
+    """Prefill row index → its input logprobs, for rows with `score_from`."""
     saved: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=dict)
     """Prefill row index → prompt keys/values, for rows with `save_prefix`."""
     seconds: float = 0.0
 
 
 class ModelRunner:
-    """Owns the model and the KV pool. Call every method from the compute thread."""
+    """Owns the model and the KV pool. Call every method from the compute thread.
+
+    Everything that touches the KV pool runs under `torch.inference_mode`, the pool's allocation and
+    every regrowth included: a tensor created in inference mode may not be written outside it (that mix
+    is what broke the engine once a sequence outgrew the pool's first 256 positions). Steps are idempotent
+    on the KV (a step writes each fed token's keys/values at its own position), so a failed step can be
+    re-run row by row to find the rows that fail.
+    """
 
     def __init__(self, model: LlamaModel, *, max_running: int, context_len: int) -> None:
         self.model = model
-        self.kv = KVPool(model.spec, num_slots=max_running, context_len=context_len, dtype=model.dtype)
+        with torch.inference_mode():
+            self.kv = KVPool(model.spec, num_slots=max_running, context_len=context_len, dtype=model.dtype)
 
+    @torch.inference_mode()
     def step(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
         logits: list[torch.Tensor] = []
         saved: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        scored: dict[int, ScoredInput] = {}
         for i, row in enumerate(plan.prefills):
             if row.reuse is not None and row.start:
                 self.kv.write(row.slot, row.reuse.k, row.reuse.v, row.start)
             n = len(row.tokens)
-            logits.append(
-                self.model.forward(
-                    torch.tensor([row.tokens]),
-                    torch.arange(row.start, row.start + n)[None, :],
-                    slots=torch.tensor([row.slot]),
-                    kv=self.kv,
-                    kv_len=row.start + n,
-                )
+            out = self.model.forward(
+                torch.tensor([row.tokens]),
+                torch.arange(row.start, row.start + n)[None, :],
+                slots=torch.tensor([row.slot]),
+                kv=self.kv,
+                kv_len=row.start + n,
+                logits_from=None if row.score_from is None else row.score_from - 1,
             )
+            if row.score_from is not None:
+                scored[i] = _score(out[:-1], row.tokens[row.score_from :], row)
+                out = out[-1:]
+            logits.append(out)
             if row.save_prefix:
                 saved[i] = self.kv.read(row.slot, row.save_prefix)
         if plan.decodes:
@@ -105,17 +146,35 @@ class ModelRunner:
                     kv_len=int(positions.max()) + 1,
                 )
             )
-        rows = [*plan.prefills, *plan.decodes]
-        tokens, logprobs = sample_batch(
-            torch.cat(logits), [r.params for r in rows], [r.generator for r in rows]
-        )
-        return StepResult(tokens=tokens, logprobs=logprobs, saved=saved, seconds=time.perf_counter() - t0)
+        rows = plan.rows
+        live = [i for i, r in enumerate(rows) if r.sampling is not None]
+        sampled: list[SampledRow | None] = [None] * len(rows)
+        if live:
+            all_logits = torch.cat(logits)
+            picked = all_logits if len(live) == len(rows) else all_logits[live]
+            draws = sample_batch(picked, [s for r in rows if (s := r.sampling) is not None])
+            for i, d in zip(live, draws, strict=True):
+                sampled[i] = d
+        return StepResult(sampled=sampled, scored=scored, saved=saved, seconds=time.perf_counter() - t0)
 
+    @torch.inference_mode()
     def apply_weights(self, staged: dict[str, torch.Tensor]) -> None:
         """Copy validated tensors into the live weights (the caller bumps the weights epoch)."""
-        with torch.inference_mode():
-            for name, tensor in staged.items():
-                self.model.weights[name].copy_(tensor)
+        for name, tensor in staged.items():
+            self.model.weights[name].copy_(tensor)
+
+
+def _score(logits: torch.Tensor, tokens: list[int], row: Row) -> ScoredInput:
+    """Input logprobs: `log_softmax` of the raw logits (no temperature), as SGLang's logits processor."""
+    logprobs = torch.log_softmax(logits, dim=-1).clamp_(min=torch.finfo(torch.float32).min)
+    ids = torch.tensor(tokens)
+    chosen = logprobs.gather(1, ids[:, None])[:, 0].tolist()
+    top = [top_n(lp, row.score_top_n) for lp in logprobs] if row.score_top_n > 0 else None
+    asked = None
+    if row.score_token_ids:
+        vals = logprobs[:, list(row.score_token_ids)].tolist()
+        asked = [list(zip(v, row.score_token_ids, strict=True)) for v in vals]
+    return ScoredInput(logprobs=chosen, top=top, token_ids=asked)
 
 
 def _common_prefix(a: tuple[int, ...], b: tuple[int, ...], n: int) -> int:
