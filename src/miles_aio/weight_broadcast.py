@@ -9,6 +9,12 @@ trainer's own default group. Each update is then one `broadcast(src=0)` per tens
 request's `names`. Trainer code reaches an engine, this one or real SGLang, by calling
 `init_custom_process_group(..., rank=0)` and `broadcast_weights`.
 
+With `load_format: "flattened_bucket"` the whole update is ONE broadcast instead: SGLang's
+`FlattenedTensorBucket` (`sglang/srt/weight_sync/tensor_bucket.py`), a uint8 tensor holding each tensor's
+bytes (`t.flatten().view(torch.uint8)`) back to back in `names` order, no padding, whatever the dtypes;
+the receiver refuses a tensor whose byte offset is not a multiple of its dtype's size (it is read back as
+a view). `broadcast_flattened_bucket` / `receive_flattened_bucket` are the two ends.
+
 A neutral module: the trainer imports it without importing the engine, and the engine without the
 trainer. All functions block (rendezvous waits for every rank) and must run off the event loop.
 """
@@ -16,6 +22,7 @@ trainer. All functions block (rendezvous waits for every rank) and must run off 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Final
 
@@ -24,7 +31,17 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 from torch.distributed.rendezvous import rendezvous
 
-__all__ = ["DEFAULT_TIMEOUT", "broadcast_weights", "init_custom_process_group", "receive_weights"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "BucketEntry",
+    "broadcast_flattened_bucket",
+    "broadcast_weights",
+    "bucket_layout",
+    "flatten_bucket",
+    "init_custom_process_group",
+    "receive_flattened_bucket",
+    "receive_weights",
+]
 
 DEFAULT_TIMEOUT: Final = timedelta(minutes=10)
 """Rendezvous and collective timeout: how long a rank waits for the others (torch's default: 30 min)."""
@@ -89,6 +106,85 @@ def receive_weights(
         if handle is not None:
             handle.wait()
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class BucketEntry:
+    """One tensor's place in a flattened bucket (SGLang's `FlattenedTensorMetadata`): bytes [start, end)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    start: int
+    end: int
+
+
+def flatten_bucket(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+) -> tuple[torch.Tensor, list[BucketEntry]]:
+    """SGLang's `FlattenedTensorBucket(named_tensors)`: one uint8 tensor, each tensor's bytes in order."""
+    parts: list[torch.Tensor] = []
+    entries: list[BucketEntry] = []
+    offset = 0
+    for name, tensor in named_tensors:
+        raw = tensor.flatten().view(torch.uint8)
+        parts.append(raw)
+        entries.append(BucketEntry(name, tuple(tensor.shape), tensor.dtype, offset, offset + raw.numel()))
+        offset += raw.numel()
+    if not parts:
+        raise ValueError("Cannot create empty tensor bucket")
+    return torch.cat(parts, dim=0), entries
+
+
+def bucket_layout(
+    names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]]
+) -> tuple[list[BucketEntry], str | None]:
+    """The receiver's layout (SGLang's `FlattenedTensorBucket.empty`) and its first error, SGLang's text:
+    a negative dimension, or a tensor whose byte offset its dtype's size does not divide."""
+    entries: list[BucketEntry] = []
+    error: str | None = None
+    offset = 0
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        size = torch.Size(shape)
+        if error is None and any(d < 0 for d in size):
+            error = f"Negative dimension in received tensor {name}: {size}"
+        if error is None and offset % dtype.itemsize:
+            error = f"Unaligned received tensor {name}: byte offset {offset}, dtype {dtype}"
+        nbytes = max(size.numel(), 0) * dtype.itemsize
+        entries.append(BucketEntry(name, tuple(size), dtype, offset, offset + nbytes))
+        offset += nbytes
+    if not entries and error is None:
+        error = "Cannot create empty tensor bucket"
+    return entries, error
+
+
+def broadcast_flattened_bucket(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], *, group: dist.ProcessGroup
+) -> list[BucketEntry]:
+    """Rank 0: send the tensors as one flattened bucket; returns the layout (names, dtypes, shapes for the
+    `/update_weights_from_distributed` request with `load_format: "flattened_bucket"`)."""
+    flat, entries = flatten_bucket(named_tensors)
+    dist.broadcast(flat, src=0, group=group)
+    return entries
+
+
+def receive_flattened_bucket(
+    *,
+    names: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+    dtypes: Sequence[torch.dtype],
+    group: dist.ProcessGroup,
+) -> list[torch.Tensor]:
+    """Engine side: one broadcast of the whole bucket, then the tensors as views into it, in order.
+
+    A layout SGLang refuses raises ValueError with its message, but only after the bytes arrived (SGLang
+    refuses before receiving, leaving the sender's broadcast hanging)."""
+    entries, error = bucket_layout(names, dtypes, shapes)
+    flat = torch.empty(entries[-1].end if entries else 0, dtype=torch.uint8)
+    dist.broadcast(flat, src=0, group=group)
+    if error is not None:
+        raise ValueError(error)
+    return [flat[e.start : e.end].view(e.dtype).reshape(e.shape) for e in entries]
 
 
 def destroy_process_group(group: dist.ProcessGroup) -> None:

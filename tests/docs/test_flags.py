@@ -47,6 +47,13 @@ def torchrun_flags() -> set[str]:
     return {o for action in get_args_parser()._actions for o in action.option_strings}
 
 
+def engine_flags() -> set[str]:
+    """The embedded engine's own flags (`python -m miles_aio.engine`, its docs page)."""
+    from miles_aio.engine.cli import build_parser
+
+    return {o for action in build_parser()._actions for o in action.option_strings}
+
+
 def script_flags() -> set[str]:
     """The benchmark scripts' and recipes' own `--flags`: their `build_parser()`'s, where a module has
     one, plus every constant `--flag` passed to add_argument."""
@@ -94,7 +101,7 @@ def test_every_flag_is_in_the_reference_with_its_default_and_help() -> None:
 
 
 def test_the_docs_name_only_flags_that_exist() -> None:
-    known = docgen.all_option_strings() | script_flags() | TOOL_FLAGS | torchrun_flags()
+    known = docgen.all_option_strings() | script_flags() | TOOL_FLAGS | torchrun_flags() | engine_flags()
     bad: list[str] = []
     for page in [*pages(), README]:
         for flag in set(FLAG_RE.findall(page.read_text(encoding="utf-8"))):

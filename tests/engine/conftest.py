@@ -8,16 +8,19 @@ it over HTTP. Requests and responses of `/generate` are checked against SGLang's
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import httpx
 import pytest
 
 from miles_aio.models import build_tiny_llama
 from tests.engine.helpers import ALPHABET, EngineProcess, Models
+from tests.engine.parity import SGLANG_UPDATE_MODEL_ENV, SGLANG_URL_ENV, ParityServer
 
 
 @pytest.fixture(scope="session")
@@ -73,4 +76,50 @@ def engine(models: Models, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 @pytest.fixture
 def client(engine: EngineProcess) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=engine.url, timeout=30.0) as c:
+        yield c
+
+
+# ---- SGLang parity suites (test_parity*.py): one server for the session ----
+
+
+@pytest.fixture(scope="session")
+def parity_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ParityServer]:
+    """A real SGLang server when MILES_AIO_SGLANG_URL is set, else one embedded engine on a tiny model
+    with a 1024-token context (hidden 64, 2 layers), 8 running requests, and a second checkpoint of
+    the same shape under its weights root."""
+    url = os.environ.get(SGLANG_URL_ENV)
+    if url:
+        base = httpx.get(f"{url.rstrip('/')}/model_info", timeout=30.0).json()["model_path"]
+        update = os.environ.get(SGLANG_UPDATE_MODEL_ENV) or None
+        yield ParityServer(url=url.rstrip("/"), engine=None, base_model=base, update_model=update)
+        return
+    root = tmp_path_factory.mktemp("parity-weights")
+    small: dict[str, Any] = {"alphabet": ALPHABET, "hidden_size": 64, "max_position_embeddings": 1024}
+    p1 = build_tiny_llama(root / "p1", seed=10, **small)
+    p2 = build_tiny_llama(root / "p2", seed=11, **small)
+    proc = EngineProcess(
+        p1,
+        "--weights-root", str(root), "--max-running-requests", "8",
+        log_dir=tmp_path_factory.mktemp("parity-logs"),
+    )  # fmt: skip
+    yield ParityServer(
+        url=proc.url,
+        engine=proc,
+        base_model=str(p1.resolve()),
+        update_model=str(p2.resolve()),
+        local_base=p1,
+        local_update=p2,
+    )
+    assert proc.stop() == 0, proc.stderr()
+
+
+@pytest.fixture(scope="session")
+def server_url(parity_server: ParityServer) -> str:
+    """The URL the parity suites talk to: $MILES_AIO_SGLANG_URL, or the embedded engine's."""
+    return parity_server.url
+
+
+@pytest.fixture
+def server(server_url: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server_url, timeout=120.0) as c:
         yield c

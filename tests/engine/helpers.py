@@ -41,12 +41,20 @@ class Models:
 class EngineProcess:
     """A running engine: `url`, `pid`, and `stop()`. Its stderr goes to a file, shown on failures."""
 
-    def __init__(self, model_path: Path, *args: str, log_dir: Path) -> None:
+    def __init__(
+        self, model_path: Path, *args: str, log_dir: Path, env: dict[str, str] | None = None
+    ) -> None:
         self.stderr_path = log_dir / f"engine-{os.getpid()}-{id(self)}.log"
         cmd = [sys.executable, "-m", "miles_aio.engine", "--model-path", str(model_path)]
         cmd += ["--port", "0", *args]
         with open(self.stderr_path, "wb") as err:
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                env=None if env is None else {**os.environ, **env},
+            )
         lines: queue.Queue[bytes] = queue.Queue()
         threading.Thread(target=lambda: lines.put(self.proc.stdout.readline()), daemon=True).start()  # type: ignore[union-attr]
         try:

@@ -101,7 +101,10 @@ def test_broadcast_update_swaps_weights_and_version(
     first, second = m2[: len(m2) // 2], m2[len(m2) // 2 :]
     assert _push(client, group, first, flush_cache=True).json()["success"]
     resp = _push(client, group, second, weight_version="42")
-    assert resp.json() == {"success": True, "message": "Succeeded to update parameter online."}
+    assert resp.json() == {
+        "success": True,
+        "message": "Succeeded to update parameter online. Weight version updated to 42.",
+    }
 
     after = generate(client, api_types, body)
     assert after["meta_info"]["weight_version"] == "42"

@@ -5,6 +5,8 @@
 Flags are checked before torch is imported, so a bad invocation fails in milliseconds with exit code 2.
 Serving on a non-loopback address requires `--api-key`: the server accepts weight paths and
 torch.distributed rendezvous addresses from its clients.
+Request timeouts use SGLang's environment variables, read once at start: `SGLANG_REQ_WAITING_TIMEOUT`,
+`SGLANG_REQ_RUNNING_TIMEOUT` (seconds; unset or <= 0: off; see `timeouts.py`).
 """
 
 from __future__ import annotations
@@ -80,6 +82,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--served-model-name", default=None, help="name in /model_info (default: the --model-path)")
     add(
+        "--watchdog-timeout",
+        type=float,
+        default=300.0,
+        help="SGLang's: no forward step for this many seconds while requests are in the running batch "
+        "(a hung step, or an in_place pause that froze them) logs, dumps stacks and kills the server "
+        "(default: %(default)s)",
+    )
+    add(
+        "--soft-watchdog-timeout",
+        type=float,
+        default=None,
+        help="SGLang's: the same condition only logs and dumps stacks, again every timeout (default: off)",
+    )
+    add(
         "--exit-on-stdin-eof",
         action="store_true",
         help="shut down when stdin closes: the launcher's pipe, so no engine outlives its launcher",
@@ -119,6 +135,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ):
         if value < lo:
             parser.error(f"{flag} must be >= {lo}, got {value}")
+    for flag, seconds in (
+        ("--watchdog-timeout", args.watchdog_timeout),
+        ("--soft-watchdog-timeout", args.soft_watchdog_timeout),
+    ):
+        if seconds is not None and not seconds > 0:
+            parser.error(f"{flag} must be > 0, got {seconds}")
     if args.context_length is not None and args.context_length < 2:
         parser.error(f"--context-length must be >= 2, got {args.context_length}")
     if args.weights_root is not None and not args.weights_root.is_dir():
@@ -126,6 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # Imported only once the flags are valid: this pulls in torch (seconds).
     from miles_aio.engine.server import ServerConfig, serve
+    from miles_aio.engine.timeouts import Limits
     from miles_aio.logs import configure_logging
 
     configure_logging(args.log_format, args.log_level)
@@ -143,6 +166,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         weight_version=args.weight_version,
         prefix_cache_entries=args.prefix_cache_entries,
         served_model_name=args.served_model_name,
+        watchdog_timeout=args.watchdog_timeout,
+        soft_watchdog_timeout=args.soft_watchdog_timeout,
+        request_timeouts=Limits.from_env(),  # SGLANG_REQ_WAITING_TIMEOUT, SGLANG_REQ_RUNNING_TIMEOUT
         exit_on_stdin_eof=args.exit_on_stdin_eof,
     )
     try:

@@ -29,6 +29,7 @@ Every method here runs on the event loop; only `ModelRunner` methods run on the 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import itertools
 import random
 import time
@@ -45,11 +46,13 @@ from miles_aio.engine.protocol import BadRequest, PauseMode
 from miles_aio.engine.runner import ModelRunner, PrefixCache, Row, ScoredInput, StepPlan, StepResult
 from miles_aio.engine.sampling import RowSampling, SamplingParams
 
-__all__ = ["EngineClosed", "LocalEngine", "LogprobOptions", "Request", "TokenLogprobs"]
+__all__ = ["EngineClosed", "LocalEngine", "LogprobOptions", "Request", "RequestAborted", "TokenLogprobs"]
 
 _log = structlog.get_logger(__name__)
 _STOP_TAIL_SLACK: Final = 2
 """Extra tokens decoded beyond the longest stop string when checking for it (a token is >= 1 char)."""
+_SHARE_MIN_TOKENS: Final = 32
+"""Identical uncached prompts at least this long are prefilled once per step (see `_plan`)."""
 
 
 class EngineClosed(RuntimeError):
@@ -76,8 +79,8 @@ TokenLogprobs = list[tuple[float, int]]
 class Request:
     """One generation's state. Owned by the engine; the HTTP layer reads it as `progress` announces output.
 
-    Input logprobs (`input_*`) cover prompt positions `logprobs.start_len ..`; the first prompt token has
-    no context, so its logprob is None (as SGLang). Output lists hold one entry per output token.
+    Input logprobs (`input_*`) cover prompt positions `logprobs.start_len ..`, the first entry None (as
+    SGLang: the logits at position s score token s + 1). Output lists hold one entry per output token.
     """
 
     rid: str
@@ -101,7 +104,15 @@ class Request:
     progress: asyncio.Event = field(default_factory=asyncio.Event)
     """Set whenever output grows or the request finishes; a stream reader clears it before reading."""
     queued_s: float | None = None
-    """When the request entered the waiting queue (again, after a retraction); None while running."""
+    """When the request entered the waiting queue (again, after a retraction); None while running, and
+    while held: it arrived during a pause or with a weight update pending (SGLang keeps those outside its
+    queue until then; see `submit`)."""
+    started_s: float | None = None
+    """When it first ran (SGLang's `forward_entry_time`, kept across retractions); None before."""
+    cache_namespace: tuple[str | None, str | None] = (None, None)
+    """SGLang's (`extra_key`, `cache_salt`): prefix-cache entries are shared only within one namespace."""
+    prefill_only: bool = False
+    """Compute and cache the prompt's KV, produce nothing (SGLang's warm-up before n > 1 samples)."""
     scored: bool = False
     """Its input logprobs are computed (a retracted request is re-prefilled without re-scoring)."""
     slot: int | None = None
@@ -125,7 +136,7 @@ class _WeightOp:
     flush_cache: bool
     barrier_seq: int
     """Requests with seq < barrier_seq finish before an unpaused update applies; later ones wait."""
-    future: asyncio.Future[int]
+    future: asyncio.Future[tuple[int, bool]]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -165,7 +176,9 @@ class LocalEngine:
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
         self._by_rid: dict[str, Request] = {}
-        self._free_slots = list(range(self.max_running - 1, -1, -1))
+        self._free_slots = list(range(self.max_running))
+        """A heap: the lowest free slot first, so running requests tend to hold consecutive slots, which
+        the decode step reads as one view of the KV pool instead of a gather."""
         self._ops: deque[_WeightOp] = deque()
         self.paused: PauseMode | None = None
         self._wake = asyncio.Event()
@@ -176,6 +189,11 @@ class LocalEngine:
         self.forward_sleep_s: float | None = None
         self.last_step_end_s = 0.0
         self.last_gen_throughput = 0.0
+        # ---- for timeouts.Supervisor (request timeouts, watchdog) ----
+        self.deadlines_changed = asyncio.Event()
+        """Set when a request's timeout clock starts or a pause ends: the supervisor re-reads deadlines."""
+        self.last_step_start_s = time.monotonic()
+        """When the latest forward started (the watchdog's progress mark)."""
 
     # ---- requests ----
 
@@ -186,10 +204,12 @@ class LocalEngine:
         prompt_ids: list[int],
         params: SamplingParams,
         logprobs: LogprobOptions | None = None,
+        cache_namespace: tuple[str | None, str | None] = (None, None),
+        prefill_only: bool = False,
     ) -> Request:
         """Validate against the model's limits (SGLang's wording) and build the request; BadRequest if not."""
         if rid in self._by_rid:
-            raise BadRequest(f"a request with rid {rid!r} is already running")
+            raise BadRequest(f"Duplicate request ID detected: {rid}")  # SGLang's _init_req_state
         if bad := [t for t in prompt_ids if not 0 <= t < self._vocab]:
             raise BadRequest(f"token id {bad[0]} is out of range for vocab size {self._vocab}")
         n = len(prompt_ids)
@@ -221,19 +241,24 @@ class LocalEngine:
             rng=random.Random(seed),
             future=asyncio.get_running_loop().create_future(),
             logprobs=logprobs or LogprobOptions(),
+            cache_namespace=cache_namespace,
+            prefill_only=prefill_only,
         )
 
     def submit(self, req: Request) -> None:
         """Queue `req` (never blocks); its `future` resolves and `progress` is set when it finishes."""
         if self._closed:
             raise EngineClosed("the engine is shutting down")
-        if req.params.max_new_tokens == 0 and req.logprobs.start_len is None:
+        if req.params.max_new_tokens == 0 and req.logprobs.start_len is None and not req.prefill_only:
             self._finish(req, {"type": "length", "length": 0})  # nothing to compute
             return
         self._by_rid[req.rid] = req
-        req.queued_s = time.monotonic()
+        # Held (no waiting clock yet) while paused or while a weight update is pending: SGLang keeps such a
+        # request in its tokenizer manager (pause condition, weights lock) until then.
+        req.queued_s = None if self.paused or self._ops else time.monotonic()
         self._waiting.append(req)
         self._wake.set()
+        self.deadlines_changed.set()
 
     async def generate(self, req: Request) -> Request:
         """Queue `req` and wait until it finishes. Cancelling the caller aborts the request."""
@@ -243,6 +268,7 @@ class LocalEngine:
         except asyncio.CancelledError:
             self._disconnect(req)
             raise
+        _raise_for_abort_status(req)
         return req
 
     async def stream(self, req: Request) -> AsyncIterator[int]:
@@ -272,16 +298,43 @@ class LocalEngine:
             self._finish(req, _abort_reason("client disconnected"))
             self._drop_finished_waiting()
 
-    def abort(
-        self, *, rid: str = "", abort_all: bool = False, message: str = "Aborted by /abort_request"
-    ) -> int:
-        """Finish the targeted requests now, keeping what they produced; returns how many. Never blocks."""
-        targets = list(self._by_rid.values()) if abort_all else [r for r in (self._by_rid.get(rid),) if r]
+    def abort(self, *, rid: str = "", abort_all: bool = False, message: str = "Aborted") -> int:
+        """Finish the targeted requests now, keeping what they produced; returns how many. Never blocks.
+
+        SGLang's rules (tokenizer_manager.abort_request, scheduler.abort_request): a rid that is not live
+        aborts nothing; a live one aborts every request whose rid starts with it. A request in the queue
+        finishes with {"type": "abort", "message": "Abort in waiting queue"}, a running one with
+        FINISH_ABORT(message) (SGLang's message: "Aborted")."""
+        if abort_all:
+            targets = list(self._by_rid.values())
+        else:
+            live = rid in self._by_rid
+            targets = [r for r in self._by_rid.values() if r.rid.startswith(rid)] if live else []
         for req in targets:
-            self._finish(req, _abort_reason(message))
+            self._finish(req, _WAITING_ABORT.copy() if req.slot is None else _abort_reason(message))
         self._drop_finished_waiting()
         self._wake.set()
         return len(targets)
+
+    def expire(self, requests: list[Request], reason: dict[str, Any]) -> None:
+        """Finish `requests` now with `reason` (a timeout's), keeping what they produced."""
+        for req in requests:
+            self._finish(req, dict(reason))
+        self._drop_finished_waiting()
+        self._wake.set()
+
+    def timed_requests(self) -> list[Request]:
+        """The unfinished requests, waiting and running: what request timeouts apply to."""
+        return [r for r in (*self._waiting, *self._running) if not r.finished]
+
+    def watchdog_active(self) -> bool:
+        """SGLang's `cur_batch_for_debug is not None`: requests in the running batch (a step in flight, or
+        frozen by an in_place pause); retract and abort pauses leave none."""
+        return bool(self._running)
+
+    @property
+    def is_paused(self) -> bool:
+        return self.paused is not None
 
     # ---- control ----
 
@@ -289,7 +342,7 @@ class LocalEngine:
         """Stop computing; returns once no step is running (see the module docstring for the modes)."""
         self.paused = mode
         if mode == "abort":
-            self.abort(abort_all=True, message="Aborted by /pause_generation (mode abort)")
+            self.abort(abort_all=True)  # SGLang's pause(abort) is abort_request(abort_all=True)
         # Loop: an Event wakes its waiters even if it was cleared again before they ran (a weight copy may
         # have started). From the is_set() check to the end there is no await, so nothing can start.
         while not self._idle.is_set():
@@ -299,17 +352,32 @@ class LocalEngine:
         self._reap()
         if mode == "retract":
             retracted = [r for r in self._running if not r.finished]
+            now = time.monotonic()
             for req in retracted:
                 self._release_slot(req)
                 req.prefilled = False
                 req.num_retractions += 1
+                req.queued_s = now  # back in the queue: its waiting clock restarts, as SGLang's
             self._running = []
             self._waiting.extendleft(reversed(retracted))
+            self.deadlines_changed.set()
         _log.info("engine.paused", mode=mode, running=len(self._running), waiting=len(self._waiting))
 
     def resume(self) -> None:
         self.paused = None
+        self._release_held()
         self._wake.set()
+
+    def _release_held(self) -> None:
+        """Held requests reach the queue (their waiting clock starts), unless still paused or an update is
+        pending (see `submit`)."""
+        if self.paused or self._ops:
+            return
+        now = time.monotonic()
+        for req in self._waiting:
+            if req.queued_s is None and req.started_s is None:
+                req.queued_s = now
+        self.deadlines_changed.set()
 
     def flush_cache(self) -> bool:
         """Drop the prefix cache; refused (False) while a request holds KV, as SGLang's flush_cache."""
@@ -325,8 +393,9 @@ class LocalEngine:
 
     async def update_weights(
         self, staged: dict[str, torch.Tensor], *, weight_version: str | None, flush_cache: bool
-    ) -> int:
-        """Swap in validated tensors between steps; returns SGLang's `num_paused_requests`."""
+    ) -> tuple[int, bool]:
+        """Swap in validated tensors between steps; returns SGLang's `num_paused_requests` and whether the
+        asked-for cache flush happened (SGLang refuses it, after loading, while requests hold KV)."""
         if self._closed:
             raise EngineClosed("the engine is shutting down")
         op = _WeightOp(
@@ -344,6 +413,7 @@ class LocalEngine:
         """Abort every request and fail queued weight updates; `run()` returns at its next wake-up."""
         self._closed = True
         self.abort(abort_all=True, message="Aborted: the engine is shutting down")
+        self.deadlines_changed.set()
         while self._ops:
             op = self._ops.popleft()
             if not op.future.done():
@@ -385,6 +455,7 @@ class LocalEngine:
                 await self._wake.wait()
                 continue
             self._idle.clear()
+            self.last_step_start_s = time.monotonic()
             try:
                 result = await loop.run_in_executor(self._executor, self._runner.step, planned.plan)
             except Exception as exc:  # a bug in the forward: find the rows that fail, keep serving the rest
@@ -410,6 +481,7 @@ class LocalEngine:
             single = _Planned(
                 plan=planned.plan.single(i), requests=[req], version=planned.version, epoch=planned.epoch
             )
+            self.last_step_start_s = time.monotonic()
             try:
                 result = await loop.run_in_executor(self._executor, self._runner.step, single.plan)
             except Exception as exc:
@@ -439,30 +511,53 @@ class LocalEngine:
             _log.exception("engine.weight_update_failed")
             if not op.future.done():
                 op.future.set_exception(exc)
+            self._release_held()
             return
         finally:
             self._idle.set()
         # A new epoch makes every cached prefix unusable, whether or not the cache is flushed.
         self._epoch += 1
-        if op.flush_cache:
-            self._cache.clear()
+        flushed = True
+        if op.flush_cache:  # SGLang's flush_cache_after_weight_update: refused while requests hold KV
+            flushed = not any(not r.finished for r in self._running)
+            if flushed:
+                self._cache.clear()
         if op.weight_version is not None:
             self.weight_version = op.weight_version
         _log.info(
             "engine.weights_updated", version=self.weight_version, epoch=self._epoch, tensors=len(op.staged)
         )
         if not op.future.done():
-            op.future.set_result(num_paused)
+            op.future.set_result((num_paused, flushed))
+        self._release_held()
 
     def _plan(self) -> _Planned | None:
         if self.paused:
             return None
         self._reap()
         barrier = self._ops[0].barrier_seq if self._ops else None
+        # In-batch prefix sharing (SGLang's schedule policy does the same): of several waiting requests
+        # with one uncached prompt (a GRPO group), the first prefills it now and the others wait one step,
+        # then start from its cached KV instead of each computing the whole prompt again.
+        fresh: set[tuple[tuple[str | None, str | None], tuple[int, ...]]] = set()
+        deferred: list[Request] = []
         while self._waiting and self._free_slots and (barrier is None or self._waiting[0].seq < barrier):
             req = self._waiting.popleft()
-            req.slot = self._free_slots.pop()
+            if not req.output_ids and len(req.prompt_ids) >= _SHARE_MIN_TOKENS and self._cache.max_entries:
+                key = (req.cache_namespace, tuple(req.prompt_ids))
+                if key in fresh:
+                    deferred.append(req)
+                    continue
+                hit, _ = self._cache.lookup(req.prompt_ids, epoch=self._epoch, namespace=req.cache_namespace)
+                if hit < len(req.prompt_ids) - 1:
+                    fresh.add(key)
+            req.slot = heapq.heappop(self._free_slots)
+            req.queued_s = None
+            if req.started_s is None:
+                req.started_s = time.monotonic()
+            self.deadlines_changed.set()  # its running clock starts, or the watchdog becomes active
             self._running.append(req)
+        self._waiting.extendleft(reversed(deferred))
         prefills: list[Row] = []
         decodes: list[Row] = []
         pre_reqs: list[Request] = []
@@ -507,19 +602,21 @@ class LocalEngine:
     def _prefill_row(self, req: Request) -> Row:
         """Prefill prompt + output so far, reusing cached prompt KV, and scoring the prompt if asked.
 
-        Scoring prompt tokens from position s needs the logits of position s - 1, so the reusable cache
-        prefix is capped there (SGLang caps its prefix match at `logprob_start_len` the same way)."""
+        SGLang's input logprobs for `logprob_start_len` s: the logits of positions s.. score the tokens
+        s + 1.. (the token at s itself gets None), so the reusable cache prefix is capped at s, as SGLang
+        caps its prefix match (`Req._compute_max_prefix_len`)."""
         ids = req.prompt_ids + req.output_ids
         start_len = req.logprobs.start_len
-        score = start_len is not None and not req.scored and start_len < len(req.prompt_ids)
-        first_scored = max(start_len or 0, 1)
-        reused, entry = self._cache.lookup(ids, epoch=self._epoch)
-        if score and reused > first_scored - 1:
-            reused = first_scored - 1
+        score = start_len is not None and not req.scored and start_len + 1 < len(req.prompt_ids)
+        first_scored = (start_len or 0) + 1
+        reused, entry = self._cache.lookup(ids, epoch=self._epoch, namespace=req.cache_namespace)
+        if start_len is not None and not req.scored and reused > start_len:
+            reused = start_len
             entry = entry if reused else None
         req.cached_tokens += reused
         # Cache the prompt's KV on its first prefill, unless the cache already covers it.
-        save = len(req.prompt_ids) if not req.output_ids and reused < len(req.prompt_ids) - 1 else 0
+        fresh = not req.output_ids and reused < len(req.prompt_ids) - 1
+        save = len(req.prompt_ids) if fresh and self._cache.max_entries > 0 else 0
         return Row(
             slot=req.slot if req.slot is not None else -1,
             tokens=ids[reused:],
@@ -527,24 +624,27 @@ class LocalEngine:
             sampling=self._sampling(req),
             reuse=entry,
             save_prefix=save,
-            score_from=(first_scored - reused) if score and len(req.prompt_ids) > 1 else None,
+            score_from=(first_scored - reused) if score else None,
             score_top_n=req.logprobs.top_n,
             score_token_ids=req.logprobs.token_ids,
         )
 
     def _apply(self, planned: _Planned, result: StepResult) -> None:
         for i, (k, v) in result.saved.items():
-            self._cache.insert(planned.requests[i].prompt_ids, k, v, epoch=planned.epoch)
+            req = planned.requests[i]
+            self._cache.insert(req.prompt_ids, k, v, epoch=planned.epoch, namespace=req.cache_namespace)
         for i, scored in result.scored.items():
             self._record_input_logprobs(planned.requests[i], scored)
         for req, drawn in zip(planned.requests, result.sampled, strict=True):
             if req.finished:  # aborted while the step ran: its token is dropped, its slot reaped
                 continue
             req.prefilled = True
-            if req.logprobs.start_len is not None and not req.scored:
+            if (start := req.logprobs.start_len) is not None and not req.scored:
                 req.scored = True
-                if req.logprobs.start_len == 0 and not req.input_logprobs:  # a 1-token prompt
+                if start < len(req.prompt_ids) and not req.input_logprobs:  # only the start token: None
                     req.input_logprobs = [None]
+                    req.input_top_logprobs = [None] if req.logprobs.top_n else []
+                    req.input_token_ids_logprobs = [None] if req.logprobs.token_ids else []
             if drawn is None:  # a score-only request is done once its prompt is scored
                 self._finish(req, {"type": "length", "length": len(req.output_ids)})
                 continue
@@ -563,13 +663,12 @@ class LocalEngine:
         self.last_gen_throughput = len(planned.requests) / max(result.seconds, 1e-9)
 
     def _record_input_logprobs(self, req: Request, scored: ScoredInput) -> None:
-        """SGLang's input_* lists: from `logprob_start_len`; position 0 (no context) gets None."""
-        first = req.logprobs.start_len == 0
-        req.input_logprobs = [None] * first + list(scored.logprobs)
+        """SGLang's input_* lists: one entry per prompt token from `logprob_start_len` on, the first None."""
+        req.input_logprobs = [None, *scored.logprobs]
         if scored.top is not None:
-            req.input_top_logprobs = [None] * first + list(scored.top)
+            req.input_top_logprobs = [None, *scored.top]
         if scored.token_ids is not None:
-            req.input_token_ids_logprobs = [None] * first + list(scored.token_ids)
+            req.input_token_ids_logprobs = [None, *scored.token_ids]
 
     def _finish_reason(self, req: Request) -> dict[str, Any] | None:
         # SGLang's order (schedule_batch.py update_finish_state): stop string, stop token/EOS, length.
@@ -614,13 +713,33 @@ class LocalEngine:
 
     def _release_slot(self, req: Request) -> None:
         if req.slot is not None:
-            self._free_slots.append(req.slot)
+            heapq.heappush(self._free_slots, req.slot)
             req.slot = None
 
 
-def _abort_reason(message: str) -> dict[str, Any]:
+def _abort_reason(message: str = "Aborted") -> dict[str, Any]:
     # SGLang's FINISH_ABORT.to_json(); status_code None means "answer 200 with the partial output".
     return {"type": "abort", "message": message, "status_code": None, "err_type": None}
+
+
+_WAITING_ABORT: Final[dict[str, Any]] = {"type": "abort", "message": "Abort in waiting queue"}
+"""What SGLang's tokenizer manager reports for a request aborted in the queue (`_handle_abort_req`)."""
+
+
+class RequestAborted(Exception):
+    """A request aborted with an HTTP status (a timeout: 503): the HTTP layer answers with that status,
+    as SGLang's `_handle_abort_finish_reason` does for a non-streaming request."""
+
+    def __init__(self, message: str, status_code: int) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
+def _raise_for_abort_status(req: Request) -> None:
+    reason = req.finish_reason or {}
+    code = reason.get("status_code")
+    if reason.get("type") == "abort" and isinstance(code, int) and 400 <= code < 600:
+        raise RequestAborted(str(reason.get("message", "Aborted")), code)
 
 
 class _FailureLog:

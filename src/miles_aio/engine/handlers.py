@@ -9,19 +9,27 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shlex
+import sys
 import time
 import uuid
 from typing import Any, Final
 
 from aiohttp import web
 
+from miles_aio import __version__
 from miles_aio.engine import protocol as proto
 from miles_aio.engine.core import LogprobOptions, Request, TokenLogprobs
+from miles_aio.engine.sampling import SamplingParams
 from miles_aio.engine.state import ServerState, read_body
 
-__all__ = ["GenerationHandlers"]
+__all__ = ["EMBEDDED_ENGINE", "SGLANG_API_VERSION", "GenerationHandlers"]
 
 _HEALTH_TIMEOUT_S: Final = 20.0  # SGLang's HEALTH_CHECK_TIMEOUT
+EMBEDDED_ENGINE: Final = "miles_aio-embedded"
+"""`/server_info` `engine`: tells a client it talks to this engine, not to SGLang."""
+SGLANG_API_VERSION: Final = "0.5.23"
+"""The SGLang release whose HTTP API (field names, bodies, statuses) this engine follows."""
 _RECENT_STEP_S: Final = 5.0
 """/health_generate answers 200 without generating if a step finished this recently."""
 
@@ -30,6 +38,7 @@ class GenerationHandlers:
     def __init__(self, state: ServerState) -> None:
         self.s = state
         self.engine = state.engine
+        self._startup_time = time.time()
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         """`/generate`: one prompt, or a batch, each sampled n times; one JSON answer (a list for a batch
@@ -37,6 +46,8 @@ class GenerationHandlers:
         `index` for a batch, ending in `data: [DONE]`. Every prompt is checked before any is queued."""
         req = proto.parse_generate(await read_body(request))
         reqs = [self._new_request(item) for item in req.items]
+        if req.items[0].params.n > 1:
+            await self._warm_prefixes(reqs)
         if req.stream:
             return await self._stream(request, req, reqs)
         async with asyncio.TaskGroup() as tg:
@@ -46,6 +57,21 @@ class GenerationHandlers:
             return web.json_response({"error": {"message": failed[0].error}}, status=500)
         out = [self._response(r, req, item) for r, item in zip(reqs, req.items, strict=True)]
         return web.json_response(out if req.batch else out[0])
+
+    async def _warm_prefixes(self, reqs: list[Request]) -> None:
+        """Before n > 1 samples of a prompt, prefill it once so every sample starts from its cached KV
+        (SGLang's tokenizer manager sends the same 0-token warm-up)."""
+        prompts = {(tuple(r.prompt_ids), r.cache_namespace): r for r in reqs}
+        async with asyncio.TaskGroup() as tg:
+            for (ids, namespace), r in prompts.items():
+                warm = self.engine.new_request(
+                    rid=f"{r.rid}-prefix",
+                    prompt_ids=list(ids),
+                    params=SamplingParams(max_new_tokens=0),
+                    cache_namespace=namespace,
+                    prefill_only=True,
+                )
+                tg.create_task(self.engine.generate(warm), name=f"warm-{warm.rid}")
 
     def _new_request(self, item: proto.GenerateItem) -> Request:
         if item.input_ids is not None:
@@ -62,7 +88,11 @@ class GenerationHandlers:
             token_ids=item.token_ids_logprob if item.return_logprob else (),
         )
         return self.engine.new_request(
-            rid=item.rid or uuid.uuid4().hex, prompt_ids=prompt, params=item.params, logprobs=logprobs
+            rid=item.rid or uuid.uuid4().hex,
+            prompt_ids=prompt,
+            params=item.params,
+            logprobs=logprobs,
+            cache_namespace=item.cache_namespace,
         )
 
     async def _stream(
@@ -220,27 +250,76 @@ class GenerationHandlers:
         )
 
     async def server_info(self, request: web.Request) -> web.Response:
-        cfg = self.s.cfg
+        """SGLang's `/server_info`: its resolved server args (those this engine has, SGLang's names and
+        values), its scheduler info, `internal_states` (one per DP rank: here one), `version`; plus the
+        marker `engine` (and this engine's own fields). `version` is miles_aio's (PEP 440), not SGLang's:
+        clients gating on SGLang versions read `sglang_api_version`, the SGLang the wire API follows."""
+        cfg, engine = self.s.cfg, self.engine
+        limits = cfg.request_timeouts
+        args: dict[str, Any] = {
+            "model_path": str(cfg.model_path),  # the startup one, as SGLang (/model_info: the live one)
+            "tokenizer_path": str(cfg.model_path),
+            "served_model_name": cfg.served_model_name or str(cfg.model_path),
+            "skip_tokenizer_init": self.s.tokenizer is None,
+            "load_format": "auto",
+            "dtype": str(self.s.model.dtype).removeprefix("torch."),
+            "kv_cache_dtype": "auto",
+            "device": "cpu",
+            "host": cfg.host,
+            "port": self.s.port,
+            "context_length": engine.context_len,
+            "max_running_requests": engine.max_running,
+            "max_total_tokens": None,
+            "page_size": 1,
+            "chunked_prefill_size": -1,  # prompts prefill whole
+            "schedule_policy": "fcfs",
+            "disable_radix_cache": cfg.prefix_cache_entries == 0,
+            "random_seed": cfg.seed,
+            "weight_version": cfg.weight_version,  # the startup one, as SGLang's server args
+            "tp_size": 1,
+            "dp_size": 1,
+            "pp_size": 1,
+            "ep_size": 1,
+            "enable_dp_attention": False,
+            "disaggregation_mode": "null",
+            "stream_interval": 1,
+            "incremental_streaming_output": False,
+            "watchdog_timeout": cfg.watchdog_timeout,
+            "soft_watchdog_timeout": cfg.soft_watchdog_timeout,
+            "api_key_set": cfg.api_key is not None,  # SGLang lists api_key itself; never echoed here
+        }
+        internal = {
+            **args,
+            "weight_version": engine.weight_version,  # live, as SGLang's resolved args with overrides
+            "world_size": 1,
+            "startup_time": self._startup_time,
+            "effective_max_running_requests_per_dp": engine.max_running,
+            **engine.internal_state(),
+        }
         return web.json_response(
             {
-                "model_path": str(self.s.model_path),
-                "served_model_name": cfg.served_model_name or str(cfg.model_path),
-                "tokenizer_path": str(cfg.model_path),
-                "host": cfg.host,
-                "port": self.s.port,
-                "pid": os.getpid(),
-                "max_context_length": self.engine.context_len,
-                "context_length": self.engine.context_len,
-                "max_running_requests": self.engine.max_running,
-                "max_total_num_tokens": self.engine.max_running * self.engine.context_len,
-                "weights_root": str(self.s.weights_root),
-                "api_key_set": cfg.api_key is not None,
-                "num_threads": cfg.num_threads,
-                "random_seed": cfg.seed,
-                "weight_version": self.engine.weight_version,
-                "internal_states": [self.engine.internal_state()],
-                "version": "miles_aio-local-engine",
+                **args,
+                "launch_command": shlex.join(sys.orig_argv),
+                "status": "ready",
+                "max_total_num_tokens": engine.max_running * engine.context_len,
+                "max_req_input_len": engine.context_len - 1,
+                "kv_events": None,
+                "startup_time": self._startup_time,
+                "internal_states": [internal],
+                "version": __version__,
+                "frontend": "python",
+                "engine": EMBEDDED_ENGINE,
+                "sglang_api_version": SGLANG_API_VERSION,
                 "rollout_backend": "local",
+                "pid": os.getpid(),
+                "max_context_length": engine.context_len,
+                "weights_root": str(self.s.weights_root),
+                "num_threads": cfg.num_threads,
+                "prefix_cache_entries": cfg.prefix_cache_entries,
+                "request_timeouts": {
+                    "SGLANG_REQ_WAITING_TIMEOUT": limits.waiting_s,
+                    "SGLANG_REQ_RUNNING_TIMEOUT": limits.running_s,
+                },
             }
         )
 

@@ -13,6 +13,7 @@ something it cannot produce (constrained decoding, stop regexes, multimodal inpu
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal, TypeVar
@@ -64,7 +65,8 @@ _GENERATE_DEFAULT_ONLY: Final[dict[str, object]] = {
     "input_embeds": None, "return_hidden_states": None, "return_routed_experts": None,
     "return_sampling_mask": None,
     "image_data": None, "video_data": None, "audio_data": None, "lora_path": None,
-    "session_params": None, "custom_logit_processor": None,
+    "session_params": None, "custom_logit_processor": None, "mm_hashes": None, "modalities": None,
+    "images_config": None, "kv_hints": None, "max_thinking_tokens": None, "require_reasoning": None,
 }  # fmt: skip
 
 
@@ -89,6 +91,8 @@ class GenerateItem:
     """-1: no input logprobs (SGLang's default)."""
     top_logprobs_num: int
     token_ids_logprob: tuple[int, ...]
+    cache_namespace: tuple[str | None, str | None] = (None, None)
+    """(`extra_key`, `cache_salt`): requests share prefix-cache entries only within one namespace."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -140,6 +144,10 @@ class UpdateFromDistributedReq:
     weight_version: str | None
     abort_all_requests: bool
     flush_cache: bool
+    flattened_bucket: bool = False
+    """`load_format: "flattened_bucket"`: one broadcast of all tensors' bytes (any other format: one each)."""
+    load_target: bool = True
+    """False for `selector: "draft"`: there is no draft model, so SGLang receives and loads nothing."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -182,6 +190,8 @@ def parse_generate(body: object) -> GenerateReq:
         )
     }
     token_ids = _token_ids_logprob(m.get("token_ids_logprob"), size=size, n=n)
+    extra_keys = _str_per_prompt(m, "extra_key", size=size, single=single)
+    salts = _str_per_prompt(m, "cache_salt", size=size, single=single)
     items: list[GenerateItem] = []
     for i, (ids, text) in enumerate(ids_or_texts):
         if per_item["top_logprobs_num"][i] < 0:
@@ -199,6 +209,7 @@ def parse_generate(body: object) -> GenerateReq:
                     logprob_start_len=int(per_item["logprob_start_len"][i]),
                     top_logprobs_num=int(per_item["top_logprobs_num"][i]),
                     token_ids_logprob=token_ids[i],
+                    cache_namespace=(extra_keys[i], salts[i]),
                 )
             )
     return GenerateReq(
@@ -269,6 +280,15 @@ def _per_item(m: Mapping[str, Any], key: str, kind: type, default: object, *, si
             raise BadRequest(f"{key} must be one value, or a list as long as the batch")
         return [default if v is None else _checked(v, key, kind) for v in raw]
     return [default if raw is None else _checked(raw, key, kind)] * size
+
+
+def _str_per_prompt(m: Mapping[str, Any], key: str, *, size: int, single: bool) -> list[str | None]:
+    raw = m.get(key)
+    if raw is None or isinstance(raw, str):
+        return [raw or None] * size  # "" means none, as SGLang
+    if isinstance(raw, list) and not single and len(raw) == size and all(isinstance(v, str) for v in raw):
+        return [v or None for v in raw]
+    raise BadRequest(f"{key} should be a string, or for a batch a list of strings as long as the batch.")
 
 
 def _checked(value: object, key: str, kind: type) -> object:
@@ -386,8 +406,8 @@ def _logit_bias(raw: object) -> tuple[tuple[int, float], ...]:
 
 
 def parse_abort(body: object) -> AbortReq:
-    m = _object(body, "AbortReq")
-    return AbortReq(rid=_opt(m, "rid", str) or "", abort_all=bool(_opt(m, "abort_all", bool)))
+    f = _Lax(body, "AbortReq")
+    return AbortReq(rid=f.opt_text("rid") or "", abort_all=f.flag("abort_all", False))
 
 
 def parse_pause(body: object) -> PauseReq:
@@ -407,26 +427,34 @@ def parse_slow_down(body: object) -> float | None:
 
 
 def parse_update_from_disk(body: object) -> UpdateFromDiskReq:
-    m = _object(body, "UpdateWeightFromDiskReqInput")
-    _check_load_format(m)
-    return UpdateFromDiskReq(
-        model_path=_required(m, "model_path", str),
-        weight_version=_opt(m, "weight_version", str),
-        abort_all_requests=bool(_opt(m, "abort_all_requests", bool)),
-        flush_cache=_opt(m, "flush_cache", bool) is not False,
+    f = _Lax(body, "UpdateWeightFromDiskReqInput")
+    req = UpdateFromDiskReq(
+        model_path=f.text("model_path"),
+        weight_version=f.opt_text("weight_version"),
+        abort_all_requests=f.flag("abort_all_requests", False),
+        flush_cache=f.flag("flush_cache", True),
     )
+    load_format = f.opt_text("load_format")
+    for key in ("is_async", "torch_empty_cache", "keep_pause", "recapture_cuda_graph"):
+        f.flag(key, False)  # checked as SGLang does; nothing to do for them on CPU
+    f.integer("token_step", 0)
+    f.opt_dict("manifest")
+    _check_load_format(load_format)
+    return req
 
 
 def parse_init_group(body: object) -> InitGroupReq:
-    m = _object(body, "InitWeightsUpdateGroupReqInput")
+    f = _Lax(body, "InitWeightsUpdateGroupReqInput")
     req = InitGroupReq(
-        master_address=_required(m, "master_address", str),
-        master_port=_required(m, "master_port", int),
-        rank_offset=_required(m, "rank_offset", int),
-        world_size=_required(m, "world_size", int),
-        group_name=_opt(m, "group_name", str) or DEFAULT_GROUP_NAME,
-        backend=_opt(m, "backend", str) or "nccl",
+        master_address=f.text("master_address"),
+        master_port=f.integer("master_port"),
+        rank_offset=f.integer("rank_offset"),
+        world_size=f.integer("world_size"),
+        group_name=f.text("group_name", DEFAULT_GROUP_NAME),
+        backend=f.text("backend", "nccl"),
     )
+    if not req.group_name:
+        raise BadRequest("Group name cannot be empty")  # SGLang's assertion in init_weights_update_group
     if req.backend != "gloo":
         raise BadRequest(f"backend {req.backend!r} is not available on the embedded CPU engine; use 'gloo'")
     if not 0 < req.rank_offset < req.world_size:
@@ -437,12 +465,18 @@ def parse_init_group(body: object) -> InitGroupReq:
 
 
 def parse_update_from_distributed(body: object) -> UpdateFromDistributedReq:
-    m = _object(body, "UpdateWeightsFromDistributedReqInput")
-    _check_load_format(m)
-    names = _str_list(_required(m, "names", list), "names")
-    dtypes = _str_list(_required(m, "dtypes", list), "dtypes")
-    shapes_raw = _required(m, "shapes", list)
-    shapes = [_int_list(s, f"shapes[{i}]") for i, s in enumerate(shapes_raw)]
+    f = _Lax(body, "UpdateWeightsFromDistributedReqInput")
+    names = f.str_list("names")
+    dtypes = f.str_list("dtypes")
+    shapes = f.int_lists("shapes")
+    group_name = f.text("group_name", DEFAULT_GROUP_NAME)
+    flush_cache = f.flag("flush_cache", True)
+    abort_all_requests = f.flag("abort_all_requests", False)
+    weight_version = f.opt_text("weight_version")
+    # SGLang reads load_format only to pick the flattened bucket; any other value means one broadcast each.
+    load_format = f.opt_text("load_format")
+    selector = f.choice("selector", ("target", "draft", "all"), "all")
+    f.flag("torch_empty_cache", False)
     if not len(names) == len(dtypes) == len(shapes):
         raise BadRequest(
             f"names, dtypes and shapes differ in length: {len(names)}, {len(dtypes)}, {len(shapes)}"
@@ -457,25 +491,25 @@ def parse_update_from_distributed(body: object) -> UpdateFromDistributedReq:
         names=names,
         dtypes=dtypes,
         shapes=shapes,
-        group_name=_opt(m, "group_name", str) or DEFAULT_GROUP_NAME,
-        weight_version=_opt(m, "weight_version", str),
-        abort_all_requests=bool(_opt(m, "abort_all_requests", bool)),
-        flush_cache=_opt(m, "flush_cache", bool) is not False,
+        group_name=group_name,
+        weight_version=weight_version,
+        abort_all_requests=abort_all_requests,
+        flush_cache=flush_cache,
+        flattened_bucket=load_format == "flattened_bucket",
+        load_target=selector != "draft",
     )
 
 
 def parse_update_version(body: object) -> UpdateVersionReq:
-    m = _object(body, "UpdateWeightVersionReqInput")
-    aborts = _opt(m, "abort_all_requests", bool)
+    f = _Lax(body, "UpdateWeightVersionReqInput")
     # SGLang's default is True (abort everything): kept for fidelity; miles_aio's client always sends False.
     return UpdateVersionReq(
-        new_version=_required(m, "new_version", str), abort_all_requests=aborts is not False
+        new_version=f.text("new_version"), abort_all_requests=f.flag("abort_all_requests", True)
     )
 
 
 def parse_group_name(body: object) -> str:
-    m = _object(body, "DestroyWeightsUpdateGroupReqInput")
-    return _opt(m, "group_name", str) or DEFAULT_GROUP_NAME
+    return _Lax(body, "DestroyWeightsUpdateGroupReqInput").text("group_name", DEFAULT_GROUP_NAME)
 
 
 # ---- small typed readers; messages follow serde's style, like SGLang's contract errors ----
@@ -523,9 +557,150 @@ def _str_list(value: object, key: str) -> list[str]:
     return value
 
 
-def _check_load_format(m: Mapping[str, Any]) -> None:
-    fmt = _opt(m, "load_format", str)
+def _check_load_format(fmt: str | None) -> None:
     if fmt not in (None, "auto", "safetensors"):
         raise BadRequest(
             f"load_format {fmt!r} is not supported by the embedded engine (use auto/safetensors)"
         )
+
+
+# ---- SGLang's control requests: msgspec structs that FastAPI validates with pydantic in lax mode ----
+# (`sglang/srt/utils/msgspec_utils.py` msgspec_struct_pydantic_core_schema: unknown keys ignored, defaults
+# for missing keys, each field coerced as pydantic's lax mode does.) A value pydantic refuses is a contract
+# error: SGLang answers it 400 with its RequestValidationError body, before the handler runs.
+
+_MISSING: Final = object()
+_WHITESPACE: Final = (
+    "\t\n\x0b\x0c\r \x85\xa0\u1680"
+    + "".join(map(chr, range(0x2000, 0x200B)))
+    + "\u2028\u2029\u202f\u205f\u3000"
+)
+"""What pydantic-core (Rust's `str::trim`, Unicode White_Space) strips around an integer string."""
+_INT_TEXT: Final = re.compile(r"[+-]?[0-9]+(?:_[0-9]+)*(?:\.0+)?")
+_TRUE_TEXT: Final = frozenset({"1", "on", "t", "true", "y", "yes"})
+_FALSE_TEXT: Final = frozenset({"0", "off", "f", "false", "n", "no"})
+_INT_FLOAT_LIMIT: Final = 2.0**63
+
+
+def lax_int(value: object) -> int:
+    """pydantic's lax `int`: ints, bools, integral floats below 2**63, and integer strings ("29500",
+    " +1_000 ", "7.00"); anything else raises ValueError with pydantic's message."""
+    if isinstance(value, int):  # bool included: True is 1
+        return int(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError("Input should be a finite number")
+        if value != int(value):
+            raise ValueError("Input should be a valid integer, got a number with a fractional part")
+        if not -_INT_FLOAT_LIMIT < value < _INT_FLOAT_LIMIT:
+            raise ValueError("Unable to parse input string as an integer, exceeded maximum size")
+        return int(value)
+    if isinstance(value, str):
+        text = value.strip(_WHITESPACE)
+        if _INT_TEXT.fullmatch(text):
+            return int(text.split(".", 1)[0])
+        raise ValueError("Input should be a valid integer, unable to parse string as an integer")
+    raise ValueError("Input should be a valid integer")
+
+
+def lax_bool(value: object) -> bool:
+    """pydantic's lax `bool`: bools, 0/1 (int or float), and "true"/"no"/"1"/"off"/... any case."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | float):
+        if value in (0, 1):
+            return bool(value)
+        # an integer (integral float) that fits i64 is read, then refused; anything else is not even read
+        integral = isinstance(value, int) or (math.isfinite(value) and value == int(value))
+        if integral and -(2**63) <= value < 2**63:
+            raise ValueError("Input should be a valid boolean, unable to interpret input")
+        raise ValueError("Input should be a valid boolean")
+    if isinstance(value, str):
+        if value.lower() in _TRUE_TEXT:
+            return True
+        if value.lower() in _FALSE_TEXT:
+            return False
+        raise ValueError("Input should be a valid boolean, unable to interpret input")
+    raise ValueError("Input should be a valid boolean")
+
+
+class _Lax:
+    """Reads fields of one SGLang control struct with pydantic's lax coercions; contract BadRequest if not."""
+
+    def __init__(self, body: object, struct: str) -> None:
+        self.m = _object(body, struct)
+        self.struct = struct
+
+    def _get(self, key: str, default: object) -> object:
+        if key in self.m:
+            return self.m[key]
+        if default is _MISSING:
+            raise self._error(key, "Field required", None)
+        return default
+
+    def _error(self, key: str, msg: str, value: object) -> BadRequest:
+        shown = "" if value is None and msg == "Field required" else f" [input_value={value!r}]"
+        return BadRequest(f"1 validation error for {self.struct}\n{key}\n  {msg}{shown}", contract=True)
+
+    def text(self, key: str, default: object = _MISSING) -> str:
+        value = self._get(key, default)
+        if not isinstance(value, str):
+            raise self._error(key, "Input should be a valid string", value)
+        return value
+
+    def opt_text(self, key: str) -> str | None:
+        value = self._get(key, None)
+        return None if value is None else self.text(key)
+
+    def integer(self, key: str, default: object = _MISSING) -> int:
+        value = self._get(key, default)
+        try:
+            return lax_int(value)
+        except ValueError as exc:
+            raise self._error(key, str(exc), value) from None
+
+    def flag(self, key: str, default: object = _MISSING) -> bool:
+        value = self._get(key, default)
+        try:
+            return lax_bool(value)
+        except ValueError as exc:
+            raise self._error(key, str(exc), value) from None
+
+    def choice(self, key: str, choices: tuple[str, ...], default: str) -> str:
+        value = self._get(key, default)
+        if value not in choices:
+            options = ", ".join(repr(c) for c in choices[:-1]) + f" or {choices[-1]!r}"
+            raise self._error(key, f"Input should be {options}", value)
+        return value
+
+    def opt_dict(self, key: str) -> dict[str, Any] | None:
+        value = self._get(key, None)
+        if value is not None and not isinstance(value, dict):
+            raise self._error(key, "Input should be a valid dictionary", value)
+        return value
+
+    def str_list(self, key: str) -> list[str]:
+        value = self._get(key, _MISSING)
+        if not isinstance(value, list):
+            raise self._error(key, "Input should be a valid list", value)
+        for i, item in enumerate(value):
+            if not isinstance(item, str):
+                raise self._error(f"{key}.{i}", "Input should be a valid string", item)
+        return value
+
+    def int_lists(self, key: str) -> list[list[int]]:
+        value = self._get(key, _MISSING)
+        if not isinstance(value, list):
+            raise self._error(key, "Input should be a valid list", value)
+        out: list[list[int]] = []
+        for i, row in enumerate(value):
+            if not isinstance(row, list):
+                raise self._error(f"{key}.{i}", "Input should be a valid list", row)
+            ints: list[int] = []
+            for j, item in enumerate(row):
+                try:
+                    ints.append(lax_int(item))
+                except ValueError as exc:
+                    raise self._error(f"{key}.{i}.{j}", str(exc), item) from None
+            out.append(ints)
+        return out

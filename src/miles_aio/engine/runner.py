@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Final
 
 import torch
 
@@ -33,6 +34,8 @@ class CachedPrefix:
     k: list[torch.Tensor]
     v: list[torch.Tensor]
     epoch: int
+    namespace: tuple[str | None, str | None] = (None, None)
+    """SGLang's (`extra_key`, `cache_salt`): a prefix is reused only by requests of the same namespace."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -106,62 +109,111 @@ class ModelRunner:
     re-run row by row to find the rows that fail.
     """
 
-    def __init__(self, model: LlamaModel, *, max_running: int, context_len: int) -> None:
+    def __init__(
+        self, model: LlamaModel, *, max_running: int, context_len: int, fault_token: int | None = None
+    ) -> None:
         self.model = model
+        self.fault_token = fault_token
+        """Fault injection for tests (`MILES_AIO_ENGINE_FAULT_TOKEN`): a step feeding this token raises."""
         with torch.inference_mode():
             self.kv = KVPool(model.spec, num_slots=max_running, context_len=context_len, dtype=model.dtype)
 
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> StepResult:
+        """Feed every row, then sample. Rows are grouped into as few forwards as their shapes allow:
+
+        * one-token rows (decodes, and prefills whose prompt the cache covers) form one batch;
+        * a prefill that scores its input runs alone (it needs the logits of every position);
+        * other prefills run in padded batches of similar lengths (`_prefill_batches`): a shorter row's
+          padding writes keys/values only at positions past its own end, which no query of it attends to
+          and which its later tokens overwrite before they are read.
+        """
         t0 = time.perf_counter()
-        logits: list[torch.Tensor] = []
-        saved: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        scored: dict[int, ScoredInput] = {}
-        for i, row in enumerate(plan.prefills):
+        rows = plan.rows
+        if self.fault_token is not None and any(self.fault_token in r.tokens for r in rows):
+            raise RuntimeError(f"injected fault: token {self.fault_token} fed (MILES_AIO_ENGINE_FAULT_TOKEN)")
+        n_pre = len(plan.prefills)
+        for row in plan.prefills:
             if row.reuse is not None and row.start:
                 self.kv.write(row.slot, row.reuse.k, row.reuse.v, row.start)
-            n = len(row.tokens)
-            out = self.model.forward(
-                torch.tensor([row.tokens]),
-                torch.arange(row.start, row.start + n)[None, :],
-                slots=torch.tensor([row.slot]),
-                kv=self.kv,
-                kv_len=row.start + n,
-                logits_from=None if row.score_from is None else row.score_from - 1,
-            )
-            if row.score_from is not None:
-                scored[i] = _score(out[:-1], row.tokens[row.score_from :], row)
-                out = out[-1:]
-            logits.append(out)
-            if row.save_prefix:
-                saved[i] = self.kv.read(row.slot, row.save_prefix)
-        if plan.decodes:
-            positions = torch.tensor([[r.start] for r in plan.decodes])
-            logits.append(
-                self.model.forward(
-                    torch.tensor([r.tokens for r in plan.decodes]),
-                    positions,
-                    slots=torch.tensor([r.slot for r in plan.decodes]),
-                    kv=self.kv,
-                    kv_len=int(positions.max()) + 1,
-                )
-            )
-        rows = plan.rows
+        row_logits: list[torch.Tensor | None] = [None] * len(rows)
+        scored: dict[int, ScoredInput] = {}
+        singles = [i for i, r in enumerate(rows) if len(r.tokens) == 1 and r.score_from is None]
+        scoring = [i for i in range(n_pre) if rows[i].score_from is not None]
+        padded = [i for i in range(n_pre) if i not in set(singles) and rows[i].score_from is None]
+        for i in scoring:
+            row = rows[i]
+            assert row.score_from is not None
+            out = self._forward([row], logits_from=row.score_from - 1)
+            scored[i] = _score(out[:-1], row.tokens[row.score_from :], row)
+            row_logits[i] = out[-1]
+        for batch in _prefill_batches([len(rows[i].tokens) for i in padded], padded):
+            for i, lg in zip(batch, self._forward([rows[i] for i in batch]), strict=True):
+                row_logits[i] = lg
+        if singles:
+            by_slot = sorted(singles, key=lambda i: rows[i].slot)  # consecutive slots attend via a view
+            for i, lg in zip(by_slot, self._forward([rows[i] for i in by_slot]), strict=True):
+                row_logits[i] = lg
+        saved = {i: self.kv.read(r.slot, r.save_prefix) for i, r in enumerate(plan.prefills) if r.save_prefix}
         live = [i for i, r in enumerate(rows) if r.sampling is not None]
         sampled: list[SampledRow | None] = [None] * len(rows)
         if live:
-            all_logits = torch.cat(logits)
-            picked = all_logits if len(live) == len(rows) else all_logits[live]
-            draws = sample_batch(picked, [s for r in rows if (s := r.sampling) is not None])
+            picked = torch.stack([lg for i in live if (lg := row_logits[i]) is not None])
+            draws = sample_batch(picked, [s for i in live if (s := rows[i].sampling) is not None])
             for i, d in zip(live, draws, strict=True):
                 sampled[i] = d
         return StepResult(sampled=sampled, scored=scored, saved=saved, seconds=time.perf_counter() - t0)
+
+    def _forward(self, rows: list[Row], *, logits_from: int | None = None) -> torch.Tensor:
+        """One forward over `rows` (right-padded to the longest); the logits of each row's last token
+        [B, vocab], or with `logits_from` (one row) of every position from there on."""
+        t = max(len(r.tokens) for r in rows)
+        if len(rows) > 1 and max(r.start for r in rows) + t > self.kv.context_len:
+            # Padding would run past the context window: feed these rows one by one instead.
+            return torch.cat([self._forward([r]) for r in rows])
+        tokens = torch.tensor([r.tokens + [0] * (t - len(r.tokens)) for r in rows])
+        positions = torch.tensor([list(range(r.start, r.start + t)) for r in rows])
+        kv_len = max(r.start for r in rows) + t  # padding writes up to here too: the pool must hold it
+        ragged = any(len(r.tokens) != t for r in rows)
+        last = torch.tensor([len(r.tokens) - 1 for r in rows]) if ragged else None
+        return self.model.forward(
+            tokens,
+            positions,
+            slots=torch.tensor([r.slot for r in rows]),
+            kv=self.kv,
+            kv_len=kv_len,
+            logits_from=logits_from,
+            last_index=last,
+        )
 
     @torch.inference_mode()
     def apply_weights(self, staged: dict[str, torch.Tensor]) -> None:
         """Copy validated tensors into the live weights (the caller bumps the weights epoch)."""
         for name, tensor in staged.items():
             self.model.weights[name].copy_(tensor)
+
+
+_PAD_WASTE: Final = 1.25
+"""A padded prefill batch computes at most this many times its real tokens."""
+_BATCH_TOKENS: Final = 8192
+"""At most this many (padded) tokens per prefill forward: bounds the attention's memory."""
+
+
+def _prefill_batches(lengths: list[int], ids: list[int]) -> list[list[int]]:
+    """Group prefill rows (`ids`, of `lengths`) into padded batches: longest first, a row joins the
+    current batch while padding stays within `_PAD_WASTE` of the real tokens and `_BATCH_TOKENS`."""
+    order = sorted(range(len(ids)), key=lambda k: -lengths[k])
+    batches: list[list[int]] = []
+    longest = real = 0
+    for k in order:
+        n = lengths[k]
+        if batches and (len(batches[-1]) + 1) * longest <= min(_PAD_WASTE * (real + n), _BATCH_TOKENS):
+            batches[-1].append(ids[k])
+            real += n
+        else:
+            batches.append([ids[k]])
+            longest = real = n
+    return batches
 
 
 def _score(logits: torch.Tensor, tokens: list[int], row: Row) -> ScoredInput:
@@ -205,7 +257,9 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, tokens: list[int], *, epoch: int) -> tuple[int, CachedPrefix | None]:
+    def lookup(
+        self, tokens: list[int], *, epoch: int, namespace: tuple[str | None, str | None] = (None, None)
+    ) -> tuple[int, CachedPrefix | None]:
         """The longest reusable prefix of `tokens` (at most len - 1: the last token must be fed).
 
         Runs on the engine's event loop for every request start, over every entry: it compares the
@@ -216,7 +270,7 @@ class PrefixCache:
         query = tuple(tokens)
         best, best_key = 0, None
         for key, entry in self._entries.items():
-            if entry.epoch != epoch or not key or key[0] != query[0]:
+            if entry.epoch != epoch or entry.namespace != namespace or not key or key[0] != query[0]:
                 continue
             lcp = _common_prefix(key, query, min(len(key), len(query) - 1))
             if lcp > best:
@@ -226,11 +280,23 @@ class PrefixCache:
         self._entries.move_to_end(best_key)
         return best, self._entries[best_key]
 
-    def insert(self, tokens: list[int], k: list[torch.Tensor], v: list[torch.Tensor], *, epoch: int) -> None:
+    def insert(
+        self,
+        tokens: list[int],
+        k: list[torch.Tensor],
+        v: list[torch.Tensor],
+        *,
+        epoch: int,
+        namespace: tuple[str | None, str | None] = (None, None),
+    ) -> None:
         if self.max_entries <= 0:
             return
         key = tuple(tokens)
-        self._entries[key] = CachedPrefix(tokens=torch.tensor(tokens), k=k, v=v, epoch=epoch)
+        if (old := self._entries.get(key)) is not None and old.namespace != namespace:
+            del self._entries[key]  # one entry per prompt: the newest namespace wins
+        self._entries[key] = CachedPrefix(
+            tokens=torch.tensor(tokens), k=k, v=v, epoch=epoch, namespace=namespace
+        )
         self._entries.move_to_end(key)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)

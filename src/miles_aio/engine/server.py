@@ -7,8 +7,11 @@ broadcast receive) and checkpoint reads run in `asyncio.to_thread`, so none of t
 Responses follow SGLang byte for byte where it matters to clients: `/generate` answers
 `{text, output_ids, meta_info}`; a request that breaks the wire schema gets 400 `{"error": "<text>"}`, and
 one the engine refuses for its content gets 400 `{"error": {"message": ...}}`; weight endpoints answer
-`{"success", "message", ...}`, 200 or 400; `/flush_cache` answers plain text. With `--api-key`, every
-route except `/health*` and `/ready` needs `Authorization: Bearer <key>` (401 otherwise).
+`{"success", "message", ...}`, 200 or 400 (a weight/abort body that breaks SGLang's schema: its validation
+error, 400 `{"object": "error", "message", "type", "param", "code"}`); a request aborted with a status (the
+request timeouts: 503) answers that ErrorResponse too; `/flush_cache` answers plain text. With
+`--api-key`, every route except `/health*` and `/ready` needs `Authorization: Bearer <key>` (401 otherwise).
+OpenAI-compatible `/v1/models`, `/v1/completions`, `/v1/chat/completions`: see `openai.py`.
 
 Lifecycle (`serve`): load the model, bind, write ONE JSON "ready" line to stdout, serve until SIGTERM/
 SIGINT (or stdin EOF with `--exit-on-stdin-eof`: the launcher's pipe closes when its process dies), then
@@ -26,6 +29,7 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Final
 
 import structlog
@@ -35,11 +39,14 @@ from tokenizers import Tokenizer
 
 from miles_aio import weight_broadcast as weight_sync
 from miles_aio.engine import protocol as proto
-from miles_aio.engine.core import EngineClosed, LocalEngine
+from miles_aio.engine.chat_template import ChatTemplate, ChatTemplateError
+from miles_aio.engine.core import EngineClosed, LocalEngine, RequestAborted
 from miles_aio.engine.handlers import GenerationHandlers
 from miles_aio.engine.model import LlamaModel, LlamaSpec
+from miles_aio.engine.openai import OpenAIHandlers
 from miles_aio.engine.runner import ModelRunner
-from miles_aio.engine.state import ServerConfig, ServerState, bad_request
+from miles_aio.engine.state import ServerConfig, ServerState, bad_request, error_response
+from miles_aio.engine.timeouts import Supervisor
 from miles_aio.engine.weight_handlers import WeightHandlers
 
 __all__ = ["ServerConfig", "build_app", "serve"]
@@ -47,6 +54,8 @@ __all__ = ["ServerConfig", "build_app", "serve"]
 _log = structlog.get_logger(__name__)
 _OPEN_PATHS: Final = ("/health", "/ready", "/metrics")  # exempt from the API key, as in SGLang
 _SHUTDOWN_TIMEOUT_S: Final = 5.0
+FAULT_TOKEN_ENV: Final = "MILES_AIO_ENGINE_FAULT_TOKEN"
+"""Fault injection for tests: every forward step that feeds this token id raises (see `ModelRunner`)."""
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -62,13 +71,20 @@ async def serve(cfg: ServerConfig) -> None:
     if tokenizer is None:
         _log.warning("engine.no_tokenizer", hint="text input is refused and output text is empty")
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-compute")
-    runner = ModelRunner(model, max_running=cfg.max_running_requests, context_len=context_len)
+    fault = os.environ.get(FAULT_TOKEN_ENV)
+    runner = ModelRunner(
+        model,
+        max_running=cfg.max_running_requests,
+        context_len=context_len,
+        fault_token=int(fault) if fault else None,
+    )
 
     state = ServerState(
         cfg=cfg,
         model=model,
         executor=executor,
         tokenizer=tokenizer,
+        chat_template=_load_chat_template(model_path),
         model_path=model_path,
         weights_root=(cfg.weights_root or model_path.parent).resolve(),
         engine=LocalEngine(
@@ -103,6 +119,13 @@ async def serve(cfg: ServerConfig) -> None:
         state.port = app_runner.addresses[0][1]
         async with asyncio.TaskGroup() as tg:
             tg.create_task(state.engine.run(), name="engine-scheduler")
+            supervisor = Supervisor(
+                engine=state.engine,
+                limits=cfg.request_timeouts,
+                watchdog_timeout_s=cfg.watchdog_timeout,
+                soft_watchdog_timeout_s=cfg.soft_watchdog_timeout,
+            )
+            tg.create_task(supervisor.run(), name="engine-timeouts")
             watcher = (
                 tg.create_task(_watch_stdin(stop), name="stdin-watch") if cfg.exit_on_stdin_eof else None
             )
@@ -123,6 +146,15 @@ async def serve(cfg: ServerConfig) -> None:
         executor.shutdown(wait=True)
         for pg in state.groups.values():
             weight_sync.destroy_process_group(pg)
+
+
+def _load_chat_template(model_path: Path) -> ChatTemplate | None:
+    """The model's chat template for /v1/chat/completions; a broken one is logged, not fatal."""
+    try:
+        return ChatTemplate.load(model_path)
+    except ChatTemplateError as exc:
+        _log.warning("engine.chat_template_unusable", error=str(exc), hint="/v1/chat/completions answers 400")
+        return None
 
 
 async def _watch_stdin(stop: asyncio.Event) -> None:
@@ -160,6 +192,7 @@ def build_app(state: ServerState) -> web.Application:
         ("GET", "/get_weights_by_name", w.get_weights_by_name),
         ("POST", "/get_weights_by_name", w.get_weights_by_name),
     ]  # fmt: skip
+    routes += OpenAIHandlers(state).routes()
     for method, path, handler in routes:
         app.router.add_route(method, path, handler)
     return app
@@ -177,12 +210,28 @@ def _auth_middleware(api_key: str | None) -> Any:
     return auth
 
 
+# Routes whose body SGLang validates with pydantic (FastAPI `Body()`): a body that breaks the schema gets
+# its RequestValidationError answer (400, ErrorResponse) rather than /generate's contract error.
+_VALIDATED_ROUTES: Final = frozenset(
+    {"/abort_request", "/update_weights_from_disk", "/init_weights_update_group",
+     "/destroy_weights_update_group", "/update_weights_from_distributed", "/update_weight_version"}
+)  # fmt: skip
+
+
 @web.middleware
 async def _error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
-        return await handler(request)
+        return await _unwrap_group(handler, request)
     except proto.BadRequest as exc:
+        if exc.contract and request.path in _VALIDATED_ROUTES:
+            return error_response(str(exc), 400, kind="Bad Request")
         return bad_request(exc)
+    except RequestAborted as exc:
+        # SGLang's _handle_abort_finish_reason: status 400 is a ValueError ({"error": {"message"}}), any
+        # other an HTTPException (ErrorResponse with that status), e.g. 503 for the request timeouts.
+        if exc.status_code == 400:
+            return web.json_response({"error": {"message": str(exc)}}, status=400)
+        return error_response(str(exc), exc.status_code)
     except EngineClosed as exc:
         return web.json_response({"error": {"message": str(exc)}}, status=503)
     except web.HTTPException:
@@ -192,6 +241,24 @@ async def _error_middleware(request: web.Request, handler: Handler) -> web.Strea
         return web.json_response(
             {"error": {"message": f"internal error: {type(exc).__name__}: {exc}"}}, status=500
         )
+
+
+async def _unwrap_group(handler: Handler, request: web.Request) -> web.StreamResponse:
+    """Run `handler`; a request error raised inside a TaskGroup (a batch /generate) is raised bare."""
+    try:
+        return await handler(request)
+    except ExceptionGroup as group:
+        for kind in (proto.BadRequest, RequestAborted, EngineClosed):
+            if (sub := group.subgroup(kind)) is not None:
+                raise _first_leaf(sub) from group
+        raise
+
+
+def _first_leaf(group: BaseExceptionGroup[Any]) -> BaseException:
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
 
 
 def stop_match_text(tokenizer: Tokenizer | None, ids: list[int]) -> str:

@@ -14,10 +14,12 @@ from aiohttp import web
 from tokenizers import Tokenizer
 
 from miles_aio.engine import protocol as proto
+from miles_aio.engine.chat_template import ChatTemplate
 from miles_aio.engine.core import LocalEngine
 from miles_aio.engine.model import LlamaModel
+from miles_aio.engine.timeouts import DEFAULT_WATCHDOG_TIMEOUT_S, Limits
 
-__all__ = ["ServerConfig", "ServerState", "bad_request", "read_body", "weight_reply"]
+__all__ = ["ServerConfig", "ServerState", "bad_request", "error_response", "read_body", "weight_reply"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -46,6 +48,13 @@ class ServerConfig:
     prefix_cache_entries: int = 64
     """Prompts whose KV is kept for reuse (LRU); 0 disables the prefix cache."""
     served_model_name: str | None = None
+    watchdog_timeout: float | None = DEFAULT_WATCHDOG_TIMEOUT_S
+    """SGLang's `--watchdog-timeout`: no forward for this long while requests are in the running batch
+    kills the server (see `timeouts`); None: off."""
+    soft_watchdog_timeout: float | None = None
+    """SGLang's `--soft-watchdog-timeout`: the same, but it only logs and dumps stacks."""
+    request_timeouts: Limits = field(default_factory=Limits)
+    """`SGLANG_REQ_WAITING_TIMEOUT` / `SGLANG_REQ_RUNNING_TIMEOUT`, read once at start (`cli.py`)."""
     exit_on_stdin_eof: bool = False
     """Shut down when stdin reaches EOF (set by the launcher, whose pipe closes when it dies)."""
 
@@ -61,6 +70,8 @@ class ServerState:
     tokenizer: Tokenizer | None
     model_path: Path
     weights_root: Path
+    chat_template: ChatTemplate | None = None
+    """The model's chat template (loaded once at start); None: chat completions answer 400."""
     port: int = 0
     groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
     dist_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -72,6 +83,14 @@ class ServerState:
 def bad_request(exc: proto.BadRequest) -> web.Response:
     body: dict[str, Any] = {"error": str(exc)} if exc.contract else {"error": {"message": str(exc)}}
     return web.json_response(body, status=400)
+
+
+def error_response(message: str, status: int, *, kind: str | None = None) -> web.Response:
+    """SGLang's `ErrorResponse` body, `{"object": "error", "message", "type", "param", "code"}`: what its
+    HTTPException handler (type: the status, e.g. "503") and its RequestValidationError handler (type:
+    "Bad Request", status 400) answer."""
+    body = {"object": "error", "message": message, "type": kind or str(status), "param": None, "code": status}
+    return web.json_response(body, status=status)
 
 
 def weight_reply(success: bool, message: str, **extra: Any) -> web.Response:

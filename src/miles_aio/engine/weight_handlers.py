@@ -16,7 +16,10 @@ rendezvous completes after its request was cancelled is still registered (so
 from __future__ import annotations
 
 import asyncio
+import functools
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Final, TypeVar
 
 import structlog
 import torch
@@ -47,24 +50,28 @@ class WeightHandlers:
         """Group names whose rendezvous is under way (not yet in `state.groups`)."""
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        body = await read_body(request)
+        req = _parse(proto.parse_update_from_disk, body, "Failed to update weights: ", num_paused_requests=0)
+        if isinstance(req, web.Response):
+            return req
+        if req.abort_all_requests:  # SGLang aborts first, before reading the checkpoint
+            self.engine.abort(abort_all=True)
         try:
-            req = proto.parse_update_from_disk(await read_body(request))
             path = resolve_weights_dir(req.model_path, weights_root=self.s.weights_root)
             staged = await asyncio.to_thread(self._stage_from_disk, path)
-        except (proto.BadRequest, WeightUpdateError, OSError) as exc:
+        except (WeightUpdateError, OSError) as exc:
             return weight_reply(False, f"Failed to update weights: {exc}", num_paused_requests=0)
-        if req.abort_all_requests:
-            self.engine.abort(
-                abort_all=True, message="Aborted by update_weights_from_disk(abort_all_requests)"
-            )
-        n_paused = await self.engine.update_weights(
+        n_paused, flushed = await self.engine.update_weights(
             staged, weight_version=req.weight_version, flush_cache=req.flush_cache
         )
         self.s.model_path = path
-        msg = "Succeeded to update model weights." + (
-            f" Weight version updated to {req.weight_version}." if req.weight_version else ""
+        if not flushed:
+            return weight_reply(False, _CACHE_NOT_FLUSHED, num_paused_requests=n_paused)
+        return weight_reply(
+            True,
+            _with_version("Succeeded to update model weights.", req.weight_version),
+            num_paused_requests=n_paused,
         )
-        return weight_reply(True, msg, num_paused_requests=n_paused)
 
     def _stage_from_disk(self, path: Path) -> dict[str, torch.Tensor]:
         return stage_update(
@@ -75,10 +82,9 @@ class WeightHandlers:
         )
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        try:
-            req = proto.parse_init_group(await read_body(request))
-        except proto.BadRequest as exc:
-            return weight_reply(False, str(exc))
+        req = _parse(proto.parse_init_group, await read_body(request), "")
+        if isinstance(req, web.Response):
+            return req
         name = req.group_name
         if name in self.s.groups:
             return weight_reply(False, f"group {name!r} already exists; destroy it first")
@@ -115,25 +121,45 @@ class WeightHandlers:
         return weight_reply(True, "Succeeded to destroy custom process group.")
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        req = _parse(
+            proto.parse_update_from_distributed,
+            await read_body(request),
+            "Failed to update parameter online: ",
+        )
+        if isinstance(req, web.Response):
+            return req
         try:
-            req = proto.parse_update_from_distributed(await read_body(request))
             dtypes = [parse_dtype(d) for d in req.dtypes]
-        except (proto.BadRequest, WeightUpdateError) as exc:
+        except WeightUpdateError as exc:
             return weight_reply(False, f"Failed to update parameter online: {exc}")
         pg = self.s.groups.get(req.group_name)
         if pg is None:
             known = sorted(self.s.groups)
             return weight_reply(
-                False, f"Group {req.group_name} not in {known}. Call init_weights_update_group first."
+                False,
+                f"Failed to receive weights: Group {req.group_name} not in {known}. "
+                "Please call `init_weights_update_group` first.",
             )
+        if req.abort_all_requests:  # SGLang aborts first, before receiving
+            self.engine.abort(abort_all=True)
+        receive = functools.partial(
+            weight_sync.receive_flattened_bucket if req.flattened_bucket else weight_sync.receive_weights,
+            shapes=req.shapes,
+            dtypes=dtypes,
+            group=pg,
+        )
+        if req.flattened_bucket:
+            receive = functools.partial(receive, names=req.names)
         try:
             async with self.s.dist_lock:  # collectives on one group must not interleave
                 # Held until the receive is really over, even if this request is cancelled meanwhile.
-                tensors = await finish_even_if_cancelled(
-                    asyncio.to_thread(weight_sync.receive_weights, shapes=req.shapes, dtypes=dtypes, group=pg)
-                )
+                tensors = await finish_even_if_cancelled(asyncio.to_thread(receive))
         except Exception as exc:
             return weight_reply(False, f"Failed to receive weights: {exc}")
+        if not req.load_target:  # selector "draft": SGLang loads into its draft runners, and there are none
+            return weight_reply(
+                True, _with_version("Succeeded to update parameter online.", req.weight_version)
+            )
         try:
             # Received first (so rank 0's broadcast completes), validated second: a bad update is
             # refused whole and the served weights stay as they were.
@@ -145,22 +171,21 @@ class WeightHandlers:
             )
         except WeightUpdateError as exc:
             return weight_reply(False, f"Failed to update parameter online: {exc}")
-        if req.abort_all_requests:
-            self.engine.abort(
-                abort_all=True, message="Aborted by update_weights_from_distributed(abort_all_requests)"
-            )
-        await self.engine.update_weights(
+        _, flushed = await self.engine.update_weights(
             staged, weight_version=req.weight_version, flush_cache=req.flush_cache
         )
-        return weight_reply(True, "Succeeded to update parameter online.")
+        if not flushed:
+            return weight_reply(False, _CACHE_NOT_FLUSHED)
+        return weight_reply(True, _with_version("Succeeded to update parameter online.", req.weight_version))
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
-        try:
-            req = proto.parse_update_version(await read_body(request))
-        except proto.BadRequest as exc:
-            return weight_reply(False, f"Failed to update weight version: {exc}")
+        req = _parse(
+            proto.parse_update_version, await read_body(request), "Failed to update weight version: "
+        )
+        if isinstance(req, web.Response):
+            return req
         if req.abort_all_requests:
-            self.engine.abort(abort_all=True, message="Aborted by update_weight_version(abort_all_requests)")
+            self.engine.abort(abort_all=True)
         self.engine.set_weight_version(req.new_version)
         return web.json_response(
             {
@@ -187,3 +212,27 @@ class WeightHandlers:
         loop = asyncio.get_running_loop()
         rows = await loop.run_in_executor(self.s.executor, lambda: weights[key][:truncate].float().tolist())
         return web.json_response(rows)
+
+
+_CACHE_NOT_FLUSHED: Final = (
+    "Weights were updated, but the cache was not flushed because requests are still running or queued. "
+    "Retract or finish them, then call /flush_cache."
+)
+"""SGLang's `flush_cache_after_weight_update` answer: the new weights serve, the call fails (400)."""
+_R = TypeVar("_R")
+
+
+def _parse(parse: Callable[[object], _R], body: object, prefix: str, **extra: Any) -> _R | web.Response:
+    """Parse a weight request. A body that breaks SGLang's schema raises (the error middleware answers it
+    as SGLang's validation error); a request the engine refuses is answered here, `{"success": false}`."""
+    try:
+        return parse(body)
+    except proto.BadRequest as exc:
+        if exc.contract:
+            raise
+        return weight_reply(False, f"{prefix}{exc}", **extra)
+
+
+def _with_version(message: str, version: str | None) -> str:
+    """SGLang's tokenizer manager appends the version it stamped to a successful update's message."""
+    return message if version is None else f"{message} Weight version updated to {version}."

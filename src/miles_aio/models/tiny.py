@@ -9,12 +9,21 @@ engine (`miles_aio.engine`)::
       generation_config.json    bos/eos/pad ids
       model.safetensors         float32, HF Llama tensor names
       tokenizer.json            one token per character of `alphabet`, plus <pad> <s> </s>
-      tokenizer_config.json, special_tokens_map.json
+      tokenizer_config.json, special_tokens_map.json   (with the chat template)
 
 Token ids: `<pad>`=0, `<s>`=1, `</s>`=2 (the eos), then the characters of `alphabet` in order of first
 appearance. Encoding adds no special tokens, and characters outside the alphabet are dropped, because the
 tokenizer has no unknown token. A character-level vocabulary keeps the model small and makes toy tasks
 readable, since every sampled token is one visible character.
+
+Chat: by default the chat template only concatenates the messages' contents (the ids and weights above
+stay exactly what they always were). With `chat_tokens=True` the vocabulary gains `CHAT_TOKENS`, appended
+after every other id: one special token per role (`<|system|>`, `<|user|>`, `<|assistant|>`, `<|tool|>`)
+and the end-of-turn `<|end|>`, which generation_config lists as a second eos, so a reply stops there. The
+template then renders `<s>`, a system turn listing `tools` (as JSON) when given, each message as
+`<|role|>content<|end|>`, and `<|assistant|>` for `add_generation_prompt`; role markers are single
+tokens, so any alphabet can chat. The weights are the default model's, plus embedding (and lm_head) rows
+for the new ids drawn from a generator of their own.
 
 Nothing here imports transformers (it costs seconds); `load_tokenizer` does, lazily.
 """
@@ -33,7 +42,16 @@ from tokenizers import Tokenizer, decoders, models
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
-__all__ = ["BOS_TOKEN", "EOS_TOKEN", "PAD_TOKEN", "SPECIAL_TOKENS", "build_tiny_llama", "load_tokenizer"]
+__all__ = [
+    "BOS_TOKEN",
+    "CHAT_TOKENS",
+    "END_OF_TURN_TOKEN",
+    "EOS_TOKEN",
+    "PAD_TOKEN",
+    "SPECIAL_TOKENS",
+    "build_tiny_llama",
+    "load_tokenizer",
+]
 
 PAD_TOKEN: Final = "<pad>"
 BOS_TOKEN: Final = "<s>"
@@ -41,8 +59,30 @@ EOS_TOKEN: Final = "</s>"
 SPECIAL_TOKENS: Final = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN)
 _INITIALIZER_RANGE: Final = 0.02
 """Std of the normal init of every matrix, as transformers' `LlamaConfig.initializer_range` default."""
-# A trivial chat template: the alphabet is arbitrary, so role markers could not be encoded anyway.
+# The default chat template: the alphabet is arbitrary, so role markers could not be encoded anyway.
 _CHAT_TEMPLATE: Final = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+END_OF_TURN_TOKEN: Final = "<|end|>"
+CHAT_TOKENS: Final = ("<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", END_OF_TURN_TOKEN)
+"""Added by `chat_tokens=True`, after every other id, in this order."""
+_CHAT_SEED_OFFSET: Final = 0x5EED_C4A7
+"""The rows of CHAT_TOKENS come from their own generator, seeded `seed + this`."""
+# With chat_tokens: role markers are single special tokens; unknown roles are refused.
+_ROLE_CHAT_TEMPLATE: Final = (
+    "{{ bos_token }}"
+    "{% if tools %}<|system|>{% for tool in tools %}{{ tool | tojson }}{% endfor %}<|end|>{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
+    "{{ raise_exception('unknown role: ' + message['role']) }}"
+    "{% endif %}"
+    "{{ '<|' + message['role'] + '|>' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% endif %}"
+    "{% if message['tool_calls'] is defined and message['tool_calls'] %}"
+    "{{ message['tool_calls'] | tojson }}"
+    "{% endif %}"
+    "<|end|>"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 def build_tiny_llama(
@@ -59,11 +99,14 @@ def build_tiny_llama(
     rms_norm_eps: float = 1e-6,
     tie_word_embeddings: bool = False,
     seed: int = 0,
+    chat_tokens: bool = False,
 ) -> Path:
     """Write a random-init `LlamaForCausalLM` with a char-level tokenizer to `out_dir`, then return it.
 
     The same arguments give byte-identical weights (the init uses its own seeded `torch.Generator`).
     `intermediate_size` defaults to 2 × `hidden_size` (rounded up to a multiple of 8).
+    `chat_tokens`: add `CHAT_TOKENS` and a chat template with role markers (see the module docstring);
+    every other id and tensor value stays what it is without it.
     """
     chars = list(dict.fromkeys(alphabet))  # dedupe, keep first-appearance order
     if not chars:
@@ -83,6 +126,10 @@ def build_tiny_llama(
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for c in chars:
         vocab.setdefault(c, len(vocab))
+    base_vocab_size = len(vocab)
+    if chat_tokens:
+        for tok in CHAT_TOKENS:
+            vocab.setdefault(tok, len(vocab))
     vocab_size = len(vocab)
     pad_id, bos_id, eos_id = (vocab[t] for t in SPECIAL_TOKENS)
 
@@ -114,16 +161,26 @@ def build_tiny_llama(
         "use_cache": True,
     }
     _write_json(out_dir / "config.json", config)
+    eos_ids: int | list[int] = [eos_id, vocab[END_OF_TURN_TOKEN]] if chat_tokens else eos_id
     _write_json(
         out_dir / "generation_config.json",
-        {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id},
+        {"bos_token_id": bos_id, "eos_token_id": eos_ids, "pad_token_id": pad_id},
     )
+    weights = _init_weights(config | {"vocab_size": base_vocab_size}, seed=seed)
+    if chat_tokens:
+        weights = _append_rows(weights, vocab_size - base_vocab_size, seed=seed + _CHAT_SEED_OFFSET)
     save_file(
-        _init_weights(config, seed=seed),
+        weights,
         str(out_dir / "model.safetensors"),
         metadata={"format": "pt"},  # transformers refuses safetensors files without this marker
     )
-    _write_tokenizer(out_dir, vocab=vocab, model_max_length=max_position_embeddings)
+    _write_tokenizer(
+        out_dir,
+        vocab=vocab,
+        model_max_length=max_position_embeddings,
+        special_tokens=SPECIAL_TOKENS + (CHAT_TOKENS if chat_tokens else ()),
+        chat_template=_ROLE_CHAT_TEMPLATE if chat_tokens else _CHAT_TEMPLATE,
+    )
     return out_dir
 
 
@@ -133,13 +190,14 @@ def load_tokenizer(model_dir: Path | str) -> PreTrainedTokenizerFast:
 
     model_dir = Path(model_dir)
     special = json.loads((model_dir / "special_tokens_map.json").read_text())
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
     return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # transformers ships untyped
         tokenizer_file=str(model_dir / "tokenizer.json"),
         bos_token=special["bos_token"],
         eos_token=special["eos_token"],
         pad_token=special["pad_token"],
         clean_up_tokenization_spaces=False,
-        chat_template=_CHAT_TEMPLATE,
+        chat_template=config.get("chat_template", _CHAT_TEMPLATE),
     )
 
 
@@ -172,11 +230,30 @@ def _init_weights(config: dict[str, Any], *, seed: int) -> dict[str, torch.Tenso
     return weights
 
 
-def _write_tokenizer(out_dir: Path, *, vocab: dict[str, int], model_max_length: int) -> None:
+def _append_rows(weights: dict[str, torch.Tensor], n: int, *, seed: int) -> dict[str, torch.Tensor]:
+    """Grow the vocab-sized tensors by `n` rows ~ N(0, 0.02) from their own generator (others untouched)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = dict(weights)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in out:
+            rows = torch.randn(n, out[name].shape[1], generator=gen) * _INITIALIZER_RANGE
+            out[name] = torch.cat([out[name], rows])
+    return out
+
+
+def _write_tokenizer(
+    out_dir: Path,
+    *,
+    vocab: dict[str, int],
+    model_max_length: int,
+    special_tokens: tuple[str, ...],
+    chat_template: str,
+) -> None:
     # BPE with no merges and no pre-tokenizer splits the whole input into characters and looks each one
-    # up; the Fuse decoder joins tokens with "" (the default decoder would insert spaces).
+    # up; the Fuse decoder joins tokens with "" (the default decoder would insert spaces). Special tokens
+    # are matched in the text before that split, so a rendered chat's markers encode to their own ids.
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.add_special_tokens(list(special_tokens))
     tok.decoder = decoders.Fuse()
     tok.save(str(out_dir / "tokenizer.json"))
     special_map = {"pad_token": PAD_TOKEN, "bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN}
@@ -190,7 +267,7 @@ def _write_tokenizer(out_dir: Path, *, vocab: dict[str, int], model_max_length: 
             "clean_up_tokenization_spaces": False,
             "add_bos_token": False,
             "add_eos_token": False,
-            "chat_template": _CHAT_TEMPLATE,
+            "chat_template": chat_template,
         },
     )
 
