@@ -21,6 +21,8 @@ trainer. All functions block (rendezvous waits for every rank) and must run off 
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -28,6 +30,7 @@ from typing import Final
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import Store, TCPStore  # re-exported untyped by torch.distributed
 from torch.distributed import distributed_c10d as c10d
 from torch.distributed.rendezvous import rendezvous
 
@@ -39,12 +42,35 @@ __all__ = [
     "bucket_layout",
     "flatten_bucket",
     "init_custom_process_group",
+    "is_loopback",
+    "loopback_store",
     "receive_flattened_bucket",
     "receive_weights",
 ]
 
 DEFAULT_TIMEOUT: Final = timedelta(minutes=10)
 """Rendezvous and collective timeout: how long a rank waits for the others (torch's default: 30 min)."""
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("localhost", "127.0.0.1", "::1") or host.startswith("127.")
+
+
+def loopback_store(
+    host: str, port: int, world_size: int, *, is_master: bool, timeout: timedelta
+) -> TCPStore:
+    """A TCPStore at host:port whose server (the master) listens on that address alone: torch binds a
+    store's server to every interface whatever the host, and a store takes unauthenticated writes, but
+    it serves on a socket it is handed (`master_listen_fd`). Clients connect as to any TCPStore."""
+    host = "127.0.0.1" if host == "localhost" else host
+    listen_fd = None
+    if is_master:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(max(world_size, 128))
+        listen_fd = sock.detach()  # the store's server owns it from here
+    return TCPStore(host, port, world_size, is_master, timeout, master_listen_fd=listen_fd)
 
 
 def init_custom_process_group(
@@ -66,8 +92,15 @@ def init_custom_process_group(
     # Same sequence as SGLang/OpenRLHF: rendezvous → PrefixStore(group_name) → _new_process_group_helper.
     # The helper is private torch API, but it is the only way to build a second "world" in one process, and
     # the store layout must match the peer's byte for byte or the rendezvous hangs.
-    url = f"tcp://{master_address}:{master_port}"
-    store, rank, world_size = next(rendezvous(url, rank, world_size, timeout=timeout))
+    store: Store
+    if is_loopback(master_address):
+        # Everything is on this machine: keep the group off the network. The store's server (rank 0)
+        # listens on the loopback address alone, and gloo's pair sockets use the loopback interface.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        store = loopback_store(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
+    else:
+        url = f"tcp://{master_address}:{master_port}"
+        store, rank, world_size = next(rendezvous(url, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     prefixed = c10d.PrefixStore(group_name, store)
     pg: dist.ProcessGroup

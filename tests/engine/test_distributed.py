@@ -85,6 +85,22 @@ def _push(
         return answer.result()
 
 
+def test_the_group_listens_on_loopback_only(group: Any, engine: Any) -> None:
+    """A loopback master address keeps the weight-update group off the network: the store this rank
+    hosts and every gloo socket of both ranks listen on loopback (torch's own store would listen on
+    every interface, and it takes unauthenticated writes)."""
+    import ipaddress
+    import os
+
+    from tests.reliability.test_exposure import listening_sockets
+
+    for pid in (os.getpid(), engine.pid):
+        sockets = listening_sockets(pid)
+        exposed = {s for s in sockets if not ipaddress.ip_address(s[0]).is_loopback}
+        assert not exposed, f"pid {pid} listens off loopback: {sorted(exposed)}"
+    assert listening_sockets(os.getpid()), "rank 0 hosts the group's store: it must listen somewhere"
+
+
 def test_broadcast_update_swaps_weights_and_version(
     client: httpx.Client, api_types: ModuleType, models: Models, group: Any
 ) -> None:

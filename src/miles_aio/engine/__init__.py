@@ -2,7 +2,8 @@
 
 `python -m miles_aio.engine --model-path DIR` (`--rollout-backend local` starts these through
 `miles_aio.inference.local_launch`). Nothing here imports the controller side (`miles_aio.inference`); both
-sides share only the wire protocols (`miles_aio.weight_broadcast` for torch.distributed weight updates).
+sides share only neutral modules: the wire protocol (`miles_aio.weight_broadcast` for torch.distributed weight
+updates) and the chat-template renderer (`miles_aio.chat_template`, which the agent session server uses too).
 
     cli.py              `python -m miles_aio.engine` (flags, exit 2 on bad ones)
     server.py           process lifecycle: load, bind, the ready line, route table, auth, shutdown

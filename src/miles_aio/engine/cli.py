@@ -15,12 +15,17 @@ import argparse
 import asyncio
 import faulthandler
 import ipaddress
+import os
 import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Final
 
-__all__ = ["build_parser", "is_loopback", "main"]
+__all__ = ["API_KEY_ENV", "build_parser", "is_loopback", "main"]
+
+API_KEY_ENV: Final = "MILES_AIO_ENGINE_API_KEY"
+"""The API key, when not given as `--api-key` (launchers pass it this way: argv is world-readable)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' on every route but /health*, /ready",
+        help="require 'Authorization: Bearer KEY' on every route but /health*, /ready (default: "
+        f"${API_KEY_ENV} if set, which keeps the key out of the process list; else none)",
     )
     add(
         "--weights-root",
@@ -122,6 +128,7 @@ def is_loopback(host: str) -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if not is_loopback(args.host) and not args.api_key:
         # parser.error exits 2. The server takes weight paths and rendezvous addresses from its clients.
         parser.error(f"--host {args.host} is not a loopback address: refusing to serve without --api-key")

@@ -111,6 +111,8 @@ class Request:
     """When it first ran (SGLang's `forward_entry_time`, kept across retractions); None before."""
     cache_namespace: tuple[str | None, str | None] = (None, None)
     """SGLang's (`extra_key`, `cache_salt`): prefix-cache entries are shared only within one namespace."""
+    row_sampling: RowSampling | None = None
+    """What the compute thread needs to sample for it (built on first use)."""
     prefill_only: bool = False
     """Compute and cache the prompt's KV, produce nothing (SGLang's warm-up before n > 1 samples)."""
     scored: bool = False
@@ -186,6 +188,8 @@ class LocalEngine:
         self._idle.set()
         self._closed = False
         self._failures = _FailureLog()
+        self._unreaped = False
+        """Some running request finished since the last `_reap` (which is then a no-op otherwise)."""
         self.forward_sleep_s: float | None = None
         self.last_step_end_s = 0.0
         self.last_gen_throughput = 0.0
@@ -589,15 +593,17 @@ class LocalEngine:
     def _sampling(self, req: Request) -> RowSampling | None:
         if len(req.output_ids) >= req.params.max_new_tokens:
             return None  # max_new_tokens 0: a prefill that only scores its input
-        p = req.params
-        return RowSampling(
-            params=p,
-            rng=req.rng,
-            output_ids=req.output_ids,
-            stop_ids=(self._eos | p.stop_token_ids) if p.min_new_tokens else frozenset(),
-            top_n=req.logprobs.top_n,
-            token_ids=req.logprobs.token_ids,
-        )
+        if req.row_sampling is None:  # built once: every field is fixed, `output_ids` is the live list
+            p = req.params
+            req.row_sampling = RowSampling(
+                params=p,
+                rng=req.rng,
+                output_ids=req.output_ids,
+                stop_ids=(self._eos | p.stop_token_ids) if p.min_new_tokens else frozenset(),
+                top_n=req.logprobs.top_n,
+                token_ids=req.logprobs.token_ids,
+            )
+        return req.row_sampling
 
     def _prefill_row(self, req: Request) -> Row:
         """Prefill prompt + output so far, reusing cached prompt KV, and scoring the prompt if asked.
@@ -692,6 +698,7 @@ class LocalEngine:
         if req.finished:
             return
         req.finish_reason = reason
+        self._unreaped = True
         if self._by_rid.get(req.rid) is req:
             del self._by_rid[req.rid]
         if not req.future.done():
@@ -704,12 +711,13 @@ class LocalEngine:
 
     def _reap(self) -> None:
         """Free the slots of finished requests; only while the compute thread is not using them."""
-        if not self._idle.is_set():
+        if not self._idle.is_set() or not self._unreaped:
             return
+        self._unreaped = False
         for req in self._running:
-            if req.finished:
+            if req.finish_reason is not None:
                 self._release_slot(req)
-        self._running = [r for r in self._running if not r.finished]
+        self._running = [r for r in self._running if r.finish_reason is None]
 
     def _release_slot(self, req: Request) -> None:
         if req.slot is not None:

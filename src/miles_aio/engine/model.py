@@ -146,6 +146,10 @@ class LlamaSpec:
         return name.endswith(_IGNORED_SUFFIXES) or (self.tie_word_embeddings and name == "lm_head.weight")
 
 
+_Fused = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]
+"""One layer's fused projections: qkv weight, qkv bias, gate/up weight, gate/up bias."""
+
+
 class KVPool:
     """Keys/values per layer, `k[layer]`, `v[layer]`: [slots, n_kv_heads, capacity, head_dim].
 
@@ -219,7 +223,32 @@ class LlamaModel:
         freqs = torch.arange(context_len, dtype=torch.float)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self._cos = emb.cos().to(self.dtype)
+        self._fused: dict[
+            int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]
+        ] = {}
         self._sin = emb.sin().to(self.dtype)
+
+    def weights_changed(self) -> None:
+        """Drop the fused projections; the next forward rebuilds them from `weights` (call after updates)."""
+        self._fused.clear()
+
+    def _fused_layer(self, i: int) -> _Fused:
+        """Layer i's q/k/v projections as one matrix and gate/up as another (and biases): two matmuls per
+        layer instead of five. Built from `weights` on first use after load or an update."""
+        if (fused := self._fused.get(i)) is None:
+            w, p = self.weights, f"model.layers.{i}."
+            qkv = [p + f"self_attn.{n}_proj" for n in "qkv"]
+            gu = [p + "mlp.gate_proj", p + "mlp.up_proj"]
+
+            def cat(names: list[str], part: str) -> torch.Tensor | None:
+                ts = [w.get(f"{n}.{part}") for n in names]
+                return None if any(t is None for t in ts) else torch.cat([t for t in ts if t is not None])
+
+            qkv_w, gu_w = cat(qkv, "weight"), cat(gu, "weight")
+            assert qkv_w is not None and gu_w is not None
+            fused = (qkv_w, cat(qkv, "bias"), gu_w, cat(gu, "bias"))
+            self._fused[i] = fused
+        return fused
 
     @classmethod
     def load(cls, model_dir: Path, *, context_len: int, dtype: torch.dtype = torch.float32) -> LlamaModel:
@@ -281,30 +310,35 @@ class LlamaModel:
         width = int(slots.max()) - lo + 1
         for i in range(spec.num_layers):
             p = f"model.layers.{i}."
+            qkv_w, qkv_b, gate_up_w, gate_up_b = self._fused_layer(i)
             x = _rms_norm(h, w[p + "input_layernorm.weight"], spec.rms_norm_eps)
-            q = _linear(x, w, p + "self_attn.q_proj").view(b, t, nh, hd).transpose(1, 2)
-            k = _linear(x, w, p + "self_attn.k_proj").view(b, t, nkv, hd).transpose(1, 2)
-            v = _linear(x, w, p + "self_attn.v_proj").view(b, t, nkv, hd).transpose(1, 2)
+            q, k, v = torch.split(F.linear(x, qkv_w, qkv_b), [nh * hd, nkv * hd, nkv * hd], dim=-1)
+            q = q.reshape(b, t, nh, hd).transpose(1, 2)
+            k = k.reshape(b, t, nkv, hd).transpose(1, 2)
+            v = v.reshape(b, t, nkv, hd).transpose(1, 2)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             # Advanced indices [B,1] and [B,T] around a slice put the indexed dims first: [B, T, nkv, hd].
             kv.k[i][slot_idx, :, positions] = k.transpose(1, 2)
             kv.v[i][slot_idx, :, positions] = v.transpose(1, 2)
-            if span is not None:
-                keys, values = kv.k[i][span, :, :kv_len], kv.v[i][span, :, :kv_len]
-            else:
-                keys = kv.k[i][lo : lo + width, :, :kv_len].index_select(0, near)
-                values = kv.v[i][lo : lo + width, :, :kv_len].index_select(0, near)
-            if t == 1 and b < _SDPA_DECODE_BATCH:
-                attn = _decode_attention(q, keys, values, mask)
-            elif fresh:  # nothing cached before these tokens: plain causal attention over them
+            if fresh:  # nothing cached before these tokens: plain causal attention over them
                 attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nh != nkv)
             else:
-                attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=nh != nkv)
+                if span is not None:
+                    keys, values = kv.k[i][span, :, :kv_len], kv.v[i][span, :, :kv_len]
+                else:
+                    keys = kv.k[i][lo : lo + width, :, :kv_len].index_select(0, near)
+                    values = kv.v[i][lo : lo + width, :, :kv_len].index_select(0, near)
+                if t == 1 and b < _SDPA_DECODE_BATCH:
+                    attn = _decode_attention(q, keys, values, mask)
+                else:
+                    attn = F.scaled_dot_product_attention(
+                        q, keys, values, attn_mask=mask, enable_gqa=nh != nkv
+                    )
             h = h + _linear(attn.transpose(1, 2).reshape(b, t, nh * hd), w, p + "self_attn.o_proj")
             x = _rms_norm(h, w[p + "post_attention_layernorm.weight"], spec.rms_norm_eps)
-            gate = F.silu(_linear(x, w, p + "mlp.gate_proj"))
-            h = h + _linear(gate * _linear(x, w, p + "mlp.up_proj"), w, p + "mlp.down_proj")
+            gate, up = F.linear(x, gate_up_w, gate_up_b).chunk(2, dim=-1)
+            h = h + _linear(F.silu(gate) * up, w, p + "mlp.down_proj")
         if logits_from is not None:
             last = h[0, logits_from:]
         elif last_index is not None:

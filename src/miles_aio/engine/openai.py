@@ -53,8 +53,8 @@ from typing import Any, Final, TypeVar
 import structlog
 from aiohttp import web
 
+from miles_aio.chat_template import ChatTemplateError
 from miles_aio.engine import protocol as proto
-from miles_aio.engine.chat_template import ChatTemplateError
 from miles_aio.engine.core import EngineClosed, LogprobOptions, Request
 from miles_aio.engine.handlers import _version_spans
 from miles_aio.engine.state import ServerState, read_body

@@ -191,6 +191,7 @@ class ModelRunner:
         """Copy validated tensors into the live weights (the caller bumps the weights epoch)."""
         for name, tensor in staged.items():
             self.model.weights[name].copy_(tensor)
+        self.model.weights_changed()
 
 
 _PAD_WASTE: Final = 1.25

@@ -95,6 +95,18 @@ class RowSampling:
     top_n: int = 0
     token_ids: tuple[int, ...] = ()
 
+    @property
+    def plain(self) -> bool:
+        """Temperature 1 from the full distribution, nothing else asked: the RL rollout case."""
+        p = self.params
+        return (
+            p.temperature == 1.0
+            and not self.top_n
+            and not self.token_ids
+            and not p.truncates
+            and not p.processes_logits
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class SampledRow:
@@ -108,6 +120,8 @@ class SampledRow:
 
 def sample_batch(logits: torch.Tensor, rows: Sequence[RowSampling]) -> list[SampledRow]:
     """One token and its logprobs (see the module rule) per row of float32 `logits` [B, vocab]."""
+    if all(r.plain for r in rows):
+        return _sample_plain(logits, rows)
     if any(r.params.processes_logits for r in rows):
         logits = logits.clone()
         for i, r in enumerate(rows):
@@ -138,6 +152,16 @@ def sample_batch(logits: torch.Tensor, rows: Sequence[RowSampling]) -> list[Samp
         asked = _token_ids(logprobs[i], r.token_ids) if r.token_ids else None
         out.append(SampledRow(ids[i], chosen[i], top, asked))
     return out
+
+
+def _sample_plain(logits: torch.Tensor, rows: Sequence[RowSampling]) -> list[SampledRow]:
+    """`sample_batch` for rows that are all `plain`: the same rule, no per-row work but the draw."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    u = torch.tensor([r.rng.random() for r in rows], dtype=logits.dtype)
+    cdf = logprobs.exp().cumsum(dim=-1)
+    tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=logits.shape[-1] - 1)
+    chosen = logprobs.gather(1, tokens).clamp_(min=torch.finfo(torch.float32).min)
+    return [SampledRow(t, lp) for t, lp in zip(tokens[:, 0].tolist(), chosen[:, 0].tolist(), strict=True)]
 
 
 def top_n(logprobs: torch.Tensor, n: int) -> list[tuple[float, int]]:

@@ -38,8 +38,8 @@ from aiohttp import web
 from tokenizers import Tokenizer
 
 from miles_aio import weight_broadcast as weight_sync
+from miles_aio.chat_template import ChatTemplate, ChatTemplateError
 from miles_aio.engine import protocol as proto
-from miles_aio.engine.chat_template import ChatTemplate, ChatTemplateError
 from miles_aio.engine.core import EngineClosed, LocalEngine, RequestAborted
 from miles_aio.engine.handlers import GenerationHandlers
 from miles_aio.engine.model import LlamaModel, LlamaSpec

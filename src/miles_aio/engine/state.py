@@ -13,8 +13,8 @@ import torch.distributed as dist
 from aiohttp import web
 from tokenizers import Tokenizer
 
+from miles_aio.chat_template import ChatTemplate
 from miles_aio.engine import protocol as proto
-from miles_aio.engine.chat_template import ChatTemplate
 from miles_aio.engine.core import LocalEngine
 from miles_aio.engine.model import LlamaModel
 from miles_aio.engine.timeouts import DEFAULT_WATCHDOG_TIMEOUT_S, Limits
