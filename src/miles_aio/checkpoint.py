@@ -3,6 +3,15 @@
     <save>/step_<s>/controller_state.json   this state (the trainer writes its own files beside it)
     <save>/latest                           the newest complete step, written last (atomic rename)
 
+The commit order of a save (`Controller.save`), so that a crash at any instant leaves `latest` naming
+a whole checkpoint that the ledger knows: (1) any stale controller_state.json of the step directory is
+removed (a step directory holds one only once it is complete); (2) the trainer writes and fsyncs its
+files; (3) the ledger's checkpoint marker (with a fresh id) is written and fsynced; (4)
+controller_state.json (naming that id) is written, fsynced and renamed into place; (5) `latest` is
+written, fsynced and renamed: the single commit point. A crash before (5) leaves the previous `latest`;
+the ledger may then hold a marker that was never committed, which a resume ignores
+(`miles_aio.ledger.committed_marker`).
+
 What is saved at step s (after its weight push): the data source position and recycle queue, the
 buffer's own state, the batch already drained for step s+1 (`carry`: trained first on resume), and
 the prompt groups still in flight (re-submitted first on resume). miles keeps only the data source
@@ -12,18 +21,21 @@ position, so its buffered and in-flight groups are lost across a restart (radixa
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from miles_aio._durable import fsync_dir, write_file_atomic
 from miles_aio.types import BufferItem, Group, Sample
 
 __all__ = [
     "ControllerState",
     "buffered_items",
     "latest_checkpoint",
+    "prepare_step_dir",
+    "publish_latest",
     "read_controller_state",
+    "read_latest",
     "step_dir",
     "write_controller_state",
 ]
@@ -39,30 +51,53 @@ class ControllerState:
     buffer: dict[str, Any]
     carry: list[BufferItem]
     in_flight: list[Group]
+    ledger_checkpoint: str | None = None  # the id of this save's ledger marker (None: saved before ids)
 
 
 def step_dir(save_dir: Path, step: int) -> Path:
     return save_dir / f"step_{step}"
 
 
+def prepare_step_dir(save_dir: Path, step: int) -> Path:
+    """The directory a save of `step` writes into, without a controller_state.json left from an earlier
+    save of the same step that was never committed (an interrupted run's): one appears only when the
+    directory is complete again."""
+    directory = step_dir(save_dir, step)
+    directory.mkdir(parents=True, exist_ok=True)
+    stale = directory / STATE_FILE
+    if stale.exists() and read_latest(save_dir) != step:  # never un-commit what `latest` names
+        stale.unlink()
+        fsync_dir(directory)
+    return directory
+
+
 def write_controller_state(save_dir: Path, state: ControllerState) -> Path:
+    """Write (and fsync) the controller's half of step `state.step`; `publish_latest` commits it."""
     directory = step_dir(save_dir, state.step)
     directory.mkdir(parents=True, exist_ok=True)
     doc = {
         "step": state.step,
         "version": state.version,
+        "ledger_checkpoint": state.ledger_checkpoint,
         "data_source": state.data_source,
         "buffer": state.buffer,
         "carry": [it.to_dict() for it in state.carry],
         "in_flight": [[s.to_dict() for s in g] for g in state.in_flight],
     }
-    tmp = directory / (STATE_FILE + ".tmp")
-    tmp.write_text(json.dumps(doc), encoding="utf-8")
-    os.replace(tmp, directory / STATE_FILE)
-    latest = save_dir / "latest.tmp"
-    latest.write_text(str(state.step), encoding="utf-8")
-    os.replace(latest, save_dir / "latest")  # only now is the checkpoint complete
+    write_file_atomic(directory / STATE_FILE, json.dumps(doc).encode())
+    fsync_dir(save_dir)  # the step directory's own entry
     return directory
+
+
+def publish_latest(save_dir: Path, step: int) -> None:
+    """The commit point of a save: `latest` names `step` (atomically, durably) once this returns."""
+    write_file_atomic(save_dir / "latest", str(step).encode())
+
+
+def read_latest(save_dir: Path) -> int | None:
+    """The step `save_dir/latest` names, or None without one."""
+    latest = save_dir / "latest"
+    return int(latest.read_text(encoding="utf-8").strip()) if latest.is_file() else None
 
 
 def has_checkpoint(load: Path) -> bool:
@@ -74,10 +109,10 @@ def latest_checkpoint(load: Path) -> Path:
     """`--load` may name a save directory (its `latest` step is used) or one step directory."""
     if (load / STATE_FILE).is_file():
         return load
-    latest = load / "latest"
-    if not latest.is_file():
+    latest = read_latest(load)
+    if latest is None:
         raise FileNotFoundError(f"{load} holds no checkpoint (no {STATE_FILE} and no 'latest' file)")
-    return step_dir(load, int(latest.read_text(encoding="utf-8").strip()))
+    return step_dir(load, latest)
 
 
 def read_controller_state(directory: Path) -> ControllerState:
@@ -89,6 +124,7 @@ def read_controller_state(directory: Path) -> ControllerState:
         buffer=doc["buffer"],
         carry=[BufferItem.from_dict(d) for d in doc["carry"]],
         in_flight=[[Sample.from_dict(s) for s in g] for g in doc["in_flight"]],
+        ledger_checkpoint=doc.get("ledger_checkpoint"),
     )
 
 

@@ -9,6 +9,7 @@ the CLI turns that into exit code 2 before any process starts.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,15 @@ _CTX: Final = "--rollout-max-context-len"
 Granularity = Literal["sample", "group"]
 UnusedHandler = Literal["retry", "drop"]
 PauseMode = Literal["retract", "in_place", "abort"]
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _positive(value: float | None, name: str, *, allow_none: bool = False, zero_ok: bool = False) -> None:
@@ -117,8 +127,40 @@ class RolloutConfig:
         "unusable: stop the run (fail, loudly), drop the group (counted, traceback logged), or retry its "
         "prompt later.",
     )
+    # -- agent sessions (miles_aio.rollout.agent) ---------------------------------------------------------
+    custom_agent_function_path: str | None = opt(
+        None,
+        "Agent coroutine `async def run_agent(base_url, prompt, request_kwargs, metadata, **kwargs) -> dict "
+        "| None`, run per sample against an OpenAI-compatible session endpoint of its own; the tokens the "
+        "model produced there become the sample (the generate function defaults to "
+        "miles_aio.rollout.agent:generate).",
+        metavar="PKG.MOD:ATTR",
+    )
+    session_message_matcher: str = opt(
+        "strict",
+        "How a resent message is matched against the session's (miles' names): strict, loose_tool_call, "
+        "role_content_only, or a plain function PKG.MOD:FN.",
+    )
+    session_tool_call_parser: str = opt(
+        "qwen25",
+        "How tool calls are parsed out of the model's replies: qwen25 (<tool_call>{json}</tool_call>, "
+        "SGLang's name), none, or a plain function PKG.MOD:FN.",
+    )
+    max_seq_len: int | None = opt(
+        None,
+        "Cap on an agent session's tokens (prompt, every reply and tool output): replies are capped to fit "
+        "and the sample is cut to it.",
+    )
+    session_server_host: str = opt(
+        "127.0.0.1", "Address of the agent session endpoint; not loopback: needs --session-server-api-key."
+    )
+    session_server_port: int = opt(0, "Port of the agent session endpoint (0: a free one).")
+    session_server_api_key: str | None = opt(
+        None, "Key the session endpoint requires (Authorization: Bearer ...); agents get it as api_key."
+    )
 
     def __post_init__(self) -> None:
+        self._check_agent_sessions()
         _positive(self.rollout_batch_size, "rollout_batch_size")
         _positive(self.n_samples_per_prompt, "n_samples_per_prompt")
         _positive(self.rollout_max_response_len, "rollout_max_response_len")
@@ -130,6 +172,19 @@ class RolloutConfig:
         _positive(self.sglang_server_concurrency, "sglang_server_concurrency")
         if not 0 < self.rollout_top_p <= 1:
             raise ConfigError(f"must be in (0, 1], got {self.rollout_top_p}", flags=["--rollout-top-p"])
+
+    def _check_agent_sessions(self) -> None:
+        _positive(self.max_seq_len, "max_seq_len", allow_none=True)
+        if not 0 <= self.session_server_port <= 65535:
+            raise ConfigError(
+                f"must be in [0, 65535], got {self.session_server_port}", flags=["--session-server-port"]
+            )
+        if not _is_loopback(self.session_server_host) and not self.session_server_api_key:
+            raise ConfigError(
+                f"{self.session_server_host} is not a loopback address: the session endpoint would serve "
+                "the policy to anyone who can reach it; set --session-server-api-key",
+                flags=["--session-server-host", "--session-server-api-key"],
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -144,8 +199,18 @@ class EngineConfig:
     rollout_num_gpus: int = opt(1, "GPUs for rollout engines (local backend: engine processes).")
     rollout_num_gpus_per_engine: int = opt(1, "GPUs per engine, i.e. its tensor-parallel size.")
     engine_num_threads: int = opt(1, "torch threads per embedded engine (local backend).")
+    engine_admin_timeout_s: float = opt(
+        60.0,
+        "Deadline of each engine's answer to a weight-push call (pause, flush, load, stamp, continue): an "
+        "engine that fails one or misses it is excluded from the push, and rejoins once re-synced.",
+    )
+    engine_max_restarts: int = opt(
+        3, "Restarts of each launched engine whose process died, over the run (exponential backoff)."
+    )
 
     def __post_init__(self) -> None:
+        _positive(self.engine_admin_timeout_s, "engine_admin_timeout_s")
+        _positive(self.engine_max_restarts, "engine_max_restarts", zero_ok=True)
         _positive(self.rollout_num_gpus, "rollout_num_gpus")
         _positive(self.rollout_num_gpus_per_engine, "rollout_num_gpus_per_engine")
         _positive(self.engine_num_threads, "engine_num_threads")

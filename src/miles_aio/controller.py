@@ -13,12 +13,15 @@ Tasks (all owned by `run()`'s TaskGroup):
   drain-<step>    consumes B groups from the buffer for one step (one step ahead of training);
                   waits for `buffer.get()`; unblocked by the worker's puts. The push after step s waits
                   for the drain of step s+1 to finish, so a batch is drained at a single version.
+  agent-sessions  with --custom-agent-function-path only: the agents' OpenAI-compatible session endpoint
+                  (`miles_aio.rollout.agent.SessionServer`); answers agents until cancelled at the end.
   the body        the step loop: trains, pushes weights, saves, evaluates, logs metrics.
 
 Shutdown (healthy): after the last step the worker is cancelled; in-flight groups are recorded
 `pending_at_exit` in the ledger. Stop (`request_stop()`, on SIGINT/SIGTERM): the step in progress
-finishes (a wait for data ends at once), a checkpoint with every pending group is saved, then as
-healthy. Crash: a worker exception is kept, the buffer closed, and the next drain raises
+finishes (a wait for data ends at once; its weight push is skipped when it would first wait for the
+next batch), a checkpoint with every pending group is saved, the step's metrics record is written, then
+as healthy. Crash: a worker exception is kept, the buffer closed, and the next drain raises
 `RolloutWorkerDied` from it; any other failing task cancels the group and its error propagates.
 """
 
@@ -31,6 +34,7 @@ from pathlib import Path
 
 import structlog
 
+from miles_aio._durable import fault_point
 from miles_aio._gc import paced_gc
 from miles_aio.buffer import BufferItem, DataBuffer, DataBufferContext
 from miles_aio.buffer.fates import GroupFates, normalize_filter
@@ -38,8 +42,9 @@ from miles_aio.checkpoint import (
     ControllerState,
     buffered_items,
     latest_checkpoint,
+    prepare_step_dir,
+    publish_latest,
     read_controller_state,
-    step_dir,
     write_controller_state,
 )
 from miles_aio.config import RunConfig
@@ -54,6 +59,7 @@ from miles_aio.metrics import MetricsSink, rollout_batch_metrics
 from miles_aio.observability.accounting import StepAccounting, StepTimes
 from miles_aio.observability.observer import RunObserver
 from miles_aio.plugins import Plugins
+from miles_aio.rollout.agent import agent_sessions
 from miles_aio.rollout.context import LimitedEngine, RolloutContext, Tokenizer
 from miles_aio.rollout.limiter import Limiter
 from miles_aio.rollout.pool import RolloutPool
@@ -108,7 +114,11 @@ class Controller:
         self.limiter = Limiter(cfg.rollout.sglang_server_concurrency * num_engines)
         self.engine = LimitedEngine(engine, self.limiter, tracer=self.tracer)
         self.ctx = RolloutContext(
-            engine=self.engine, tokenizer=tokenizer, config=cfg, log=structlog.get_logger("miles_aio.rollout")
+            engine=self.engine,
+            tokenizer=tokenizer,
+            config=cfg,
+            log=structlog.get_logger("miles_aio.rollout"),
+            sessions=agent_sessions(cfg, tokenizer),  # the agent session endpoint, with an agent (else None)
         )
         self.buffer: DataBuffer = plugins.buffer_cls(
             DataBufferContext(
@@ -169,6 +179,11 @@ class Controller:
         t0 = time.monotonic()
         try:
             async with paced_gc(), asyncio.TaskGroup() as tg:
+                # agent sessions (--custom-agent-function-path): serving before any rollout or eval starts
+                sessions, serving = self.ctx.sessions, None
+                if sessions is not None:
+                    serving = tg.create_task(sessions.serve(), name="agent-sessions")
+                    await sessions.ready.wait()
                 if self.cfg.driver.load is not None:
                     await self._restore(self.cfg.driver.load)
                 # version 1 on a fresh run; a resumed run re-stamps the checkpoint weights with their version
@@ -182,16 +197,46 @@ class Controller:
                     await self._step_loop(tg, summary)
                 finally:
                     worker.cancel()
-        except BaseExceptionGroup as eg:
-            raise primary_error(eg)  # noqa: B904 - keep the primary error's own cause chain
-        finally:
-            self.ledger.mark_pending("pending_at_exit", step=summary.steps)
-            self.ledger.close()
-            self.obs.close()
+                    if serving is not None:
+                        serving.cancel()
+        except BaseException as e:
+            error = primary_error(e)
+            self._close_files(summary.steps, error)
+            if error is e:
+                raise
+            raise error  # noqa: B904 - keep the primary error's own cause chain
+        self._close_files(summary.steps, None)
         summary.version = self.version
         summary.wall_s = time.monotonic() - t0
         summary.ledger_counts = dict(self.ledger.counts)
         return summary
+
+    def _close_files(self, steps: int, error: BaseException | None) -> None:
+        """Record the groups still open, close the ledger and the observer's files. The first error is
+        the one reported: a failure here (a full disk fails these writes too) becomes a note on `error`
+        when the run is already failing with it; else the first such failure is raised."""
+
+        def close_ledger() -> None:
+            try:
+                self.ledger.mark_pending("pending_at_exit", step=steps)
+            finally:
+                self.ledger.close()  # raises the ledger's write error, if it ever had one
+
+        failures: list[tuple[str, Exception]] = []
+        for what, close in (("the ledger", close_ledger), ("the metrics and trace files", self.obs.close)):
+            try:
+                close()
+            except Exception as e:
+                if e is not error:  # a ledger that failed with `error` raises it again
+                    failures.append((what, e))
+        if not failures:
+            return
+        first = error if error is not None else failures.pop(0)[1]
+        for what, later in failures:
+            log.error(f"closing {what} failed too", error=repr(later))
+            first.add_note(f"also failed, closing {what}: {later!r}")
+        if error is None:
+            raise first
 
     async def _step_loop(self, tg: asyncio.TaskGroup, summary: RunSummary) -> None:
         cfg, loop, wait_eval = self.cfg.driver, asyncio.get_running_loop(), self.evals.wait_before_push
@@ -199,6 +244,7 @@ class Controller:
         self._next_drain = tg.create_task(self._drain(first), name=f"drain-{first}") if first < n else None
         for step in range(first, n):
             t_step = loop.time()
+            self.ledger.flush()  # the previous step's fates reach the file (a failed write raises here)
             self.obs.begin_step(step, self.version)
             assert self._next_drain is not None
             if not await self._await_drain(self._next_drain):
@@ -218,21 +264,25 @@ class Controller:
             for item in batch:
                 self.ledger.record("trained", item.group_index, step=step)
             train_s = loop.time() - t_train
-            sync_s, eval_s, done = 0.0, 0.0, step + 1
+            sync_s, eval_s, done, stopping = 0.0, 0.0, step + 1, False
             if done % cfg.update_weights_interval == 0 or done == n:  # the run ends on pushed weights
                 if self._next_drain is not None:
                     t_wait = loop.time()
-                    if not await self._await_drain(self._next_drain):  # one version per batch: drain first
-                        await self._stop_now(step)
-                        return
+                    # one version per batch: drain first; a stop cancels that wait, and the step then ends
+                    # unpushed (the checkpoint keeps its weights, one version ahead) but logged
+                    stopping = not await self._await_drain(self._next_drain)
                     wait_data += loop.time() - t_wait
-                eval_s += await wait_eval(steps_done=done)  # an eval point sees one version too
-                t_sync = loop.time()
-                await self._push_weights((self.version or 0) + 1)
-                sync_s = loop.time() - t_sync
-            if cfg.save_interval and cfg.save and (done % cfg.save_interval == 0 or done == n):
+                if not stopping:
+                    eval_s += await wait_eval(steps_done=done)  # an eval point sees one version too
+                    t_sync = loop.time()
+                    await self._push_weights((self.version or 0) + 1)
+                    sync_s = loop.time() - t_sync
+            stopping = stopping or (self._stop.is_set() and done < n)
+            if stopping:
+                await self._stop_now(step)  # saved before its metrics record, as every saved step
+            elif cfg.save_interval and cfg.save and (done % cfg.save_interval == 0 or done == n):
                 await self.save(step)
-            if self.evals.due(done):
+            if not stopping and self.evals.due(done):
                 eval_s += await wait_eval(steps_done=done)
                 self.evals.dispatch(tg, steps_done=done, version=self.version or 0)
                 self.obs.eval_dispatched(done)
@@ -259,9 +309,19 @@ class Controller:
             )
             summary.steps, summary.last_metrics = step + 1, metrics
             summary.step_times_s.append(times.step_s)
-            if self._stop.is_set() and done < n:
+            if stopping:
+                return
+            if self._stop.is_set() and done < n:  # requested while the record was written
                 await self._stop_now(step)
                 return
+
+    @property
+    def last_checkpoint_step(self) -> int | None:
+        """The step of the newest complete checkpoint of this run: saved by it, else the one it resumed
+        from; None if there is none (what a stop that skips its save leaves `--load` to resume from)."""
+        if self._saved_step >= 0:
+            return self._saved_step
+        return self.start_step - 1 if self.cfg.driver.load is not None else None
 
     def request_stop(self) -> None:
         """Finish the current step, save a checkpoint (with --save), and return (SIGINT/SIGTERM)."""
@@ -339,13 +399,19 @@ class Controller:
         with tr.slice("push weights", track="trainer", version=version):
             with tr.slice("pause", track="trainer", mode=mode):
                 await self.engine.pause_generation(mode)
+                fault_point("push:paused")
                 if mode != "in_place":
                     await self.engine.flush_cache()
+                    fault_point("push:flushed")
             with tr.slice("transfer", track="trainer"):
+                # the router's side of the transfer has its points too (push:weights_written, push:broadcast)
                 await self.trainer.sync_weights(self.engine.inner, version=version)
+                fault_point("push:transferred")
                 await self.engine.update_weight_version(version)
+                fault_point("push:stamped")
             with tr.slice("continue", track="trainer"):
                 await self.engine.continue_generation()
+                fault_point("push:continued")  # the engines generate with it; the controller not told yet
         self._weights_ahead = False
         self.version = version
         self.worker.publish_version(version)
@@ -360,20 +426,32 @@ class Controller:
         if drain is not None and (drain.cancelled() or not await self._await_drain(drain)):
             drain = None
         carry = list(drain.result()) if drain is not None else list(self._draining)
-        directory = step_dir(self.cfg.driver.save, step)
-        await self.trainer.save(step, directory)
+        # The commit order (see miles_aio.checkpoint): every file, fsynced, then `latest` last. A crash
+        # or a failed write at any point before `latest` leaves the previous checkpoint the resumable one.
+        save_dir = self.cfg.driver.save
+        directory = prepare_step_dir(save_dir, step)
+        fault_point("save:begin")
+        await self.trainer.save(step, directory)  # the trainer's files, fsynced
         if self.cfg.eval.save_hf is not None:  # eval modes 2/3 may reuse it as their snapshot
             await save_hf_checkpoint(self.trainer, self.cfg.eval.save_hf, step + 1)
+        fault_point("save:trainer_saved")
+        # no await from here on: the state, the ledger's open groups and its marker are one instant
+        in_flight = self.worker.pending_prompt_groups()
+        marker = self.ledger.checkpoint(step)  # written and fsynced
+        fault_point("save:ledger_marked")
         state = ControllerState(
             step=step,
             version=(self.version or 0) + int(self._weights_ahead),
             data_source=self.source.state_dict(),
             buffer=self.buffer.state_dict(),
             carry=carry,
-            in_flight=self.worker.pending_prompt_groups(),
+            in_flight=in_flight,
+            ledger_checkpoint=marker,
         )
-        write_controller_state(self.cfg.driver.save, state)
-        self.ledger.checkpoint(step)
+        write_controller_state(save_dir, state)
+        fault_point("save:state_written")
+        publish_latest(save_dir, step)  # the commit point
+        fault_point("save:latest_published")
         self._saved_step = step
         log.info("saved checkpoint", step=step, path=str(directory))
 
@@ -389,8 +467,11 @@ class Controller:
         restored = [*self._carry, *buffered_items(state.buffer)]
         self.worker.restore(restored, state.in_flight, start_step=self.start_step, version=self.version)
         self.ledger.resume(
-            state.step, {it.group_index for it in restored} | {g[0].group_index for g in state.in_flight}
+            state.step,
+            {it.group_index for it in restored} | {g[0].group_index for g in state.in_flight},
+            checkpoint=state.ledger_checkpoint,
         )
+        self._saved_step = state.step  # a stop before the next step must not re-save (overwrite) it
         log.info(
             "resumed", from_step=state.step, version=self.version, carry=len(self._carry), path=str(directory)
         )

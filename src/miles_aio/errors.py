@@ -5,6 +5,7 @@ MilesAioError
  ├── PluginError            an import path (pkg.mod:attr) that does not resolve
  ├── BufferClosed           put()/get() on a closed DataBuffer
  ├── RolloutWorkerDied      the rollout worker stopped; raised by the next drain
+ ├── LedgerError            ledger.jsonl holds a line that is not an event (other than one torn last line)
  └── EngineError            an inference engine call failed after the client's retry policy
       ├── EngineUnavailable  no healthy engine / connection refused or reset
       └── EngineBadResponse  the engine answered with something that breaks the contract
@@ -20,6 +21,7 @@ __all__ = [
     "EngineBadResponse",
     "EngineError",
     "EngineUnavailable",
+    "LedgerError",
     "MilesAioError",
     "PluginError",
     "RolloutWorkerDied",
@@ -49,6 +51,11 @@ class BufferClosed(MilesAioError):
 
 class RolloutWorkerDied(MilesAioError):
     """The rollout worker is gone, so the drain can never complete."""
+
+
+class LedgerError(MilesAioError):
+    """ledger.jsonl cannot be read or appended to: a line that is not an event, other than a torn last
+    line (which a crash or a full disk leaves, and which is tolerated); the message names file:line."""
 
 
 class EngineError(MilesAioError):

@@ -80,7 +80,8 @@ def rollout_batch_metrics(
     batch: Iterable[Group], *, version: int | None, reward_key: str | None = None
 ) -> dict[str, float]:
     """rollout/* metrics of one training batch: reward (a dict reward's `reward_key` entry), lengths,
-    statuses.
+    statuses, the share of response tokens the model generated (loss_mask 1; the rest is context such as
+    tool output, at loss_mask 0).
 
     `train_staleness_*` is measured against the policy about to be trained on the batch (`version`),
     which is one push later than the drain-time staleness in rollout/fully_async/* under prefetch.
@@ -89,6 +90,7 @@ def rollout_batch_metrics(
     groups = list(batch)
     rewards = [v for s in samples if (v := reward_value(s.reward, reward_key)) is not None]
     lengths = [s.response_length for s in samples]
+    model_tokens = sum(sum(s.loss_mask) for s in samples)
     stale = [st for g in groups if (st := group_staleness(g, version)) is not None]
     n = max(1, len(samples))
     hist = token_staleness_histogram(samples, version=version)
@@ -98,6 +100,7 @@ def rollout_batch_metrics(
         "rollout/truncated_ratio": sum(s.status == Status.TRUNCATED for s in samples) / n,
         "rollout/samples": float(len(samples)),
         "rollout/tokens": float(sum(lengths)),
+        "rollout/model_token_ratio": model_tokens / sum(lengths) if sum(lengths) else 0.0,
         "rollout/train_staleness_mean": sum(stale) / len(stale) if stale else 0.0,
         "rollout/train_staleness_max": float(max(stale, default=0)),
     }

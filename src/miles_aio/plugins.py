@@ -104,8 +104,13 @@ def resolve_plugins(cfg: RunConfig) -> Plugins:
                 f"{post!r} must be a plain function fn(args, samples) -> (raw_rewards, rewards)",
                 flags=["--custom-reward-post-process-path"],
             )
+    generate_path = r.custom_generate_function_path
+    if r.custom_agent_function_path is not None:  # agent sessions: checked now, exit 2 before anything starts
+        from miles_aio.rollout.agent import check_agent_config
+
+        generate_path = check_agent_config(cfg)
     return Plugins(
-        generate_fn=load(r.custom_generate_function_path, "--custom-generate-function-path", coroutine=True),
+        generate_fn=load(generate_path, "--custom-generate-function-path", coroutine=True),
         reward_fn=load(r.custom_rm_path, "--custom-rm-path", coroutine=True) if r.custom_rm_path else None,
         dynamic_filter_fn=filter_fn,
         buffer_cls=buffer_cls,

@@ -11,9 +11,12 @@ import argparse
 import asyncio
 import dataclasses
 import datetime as dt
+import errno
 import json
+import os
 import signal
 import sys
+import tempfile
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
@@ -174,6 +177,26 @@ def load_eval_datasets(
     return recipe.eval_prompts(cfg, ns) if recipe.eval_prompts is not None else {}
 
 
+def check_writable_dir(path: Path, flag: str) -> None:
+    """ConfigError naming `flag` unless `path` is (or can become) a directory this process can write.
+
+    Probed by creating and removing an entry, without creating `path` itself (a `--dry-run` creates
+    nothing): in the directory if it exists, else in its nearest existing ancestor. Permission bits
+    alone would not do: root writes through them, yet not under a regular file, on a read-only mount,
+    or in /proc.
+    """
+    path = Path(os.path.abspath(path))
+    probe_in = next(p for p in (path, *path.parents) if p.exists())
+    try:
+        if not probe_in.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(probe_in))
+        os.rmdir(tempfile.mkdtemp(prefix=".miles-aio-write-probe-", dir=probe_in))
+    except OSError as exc:
+        raise ConfigError(
+            f"{path} is not a writable directory ({probe_in}: {exc.strerror or exc})", flags=[flag]
+        ) from None
+
+
 def describe_plan(cfg: RunConfig, recipe: Recipe, ns: argparse.Namespace, n_prompts: int) -> dict[str, Any]:
     r, s, b, d, o = cfg.rollout, cfg.scheduler, cfg.buffer, cfg.driver, cfg.observability
     plan: dict[str, Any] = {
@@ -230,6 +253,9 @@ def main(recipe: Recipe, argv: Sequence[str] | None = None) -> RunSummary | None
             eval_fn_class(cfg)  # likewise a bad --eval-function-path
         records = load_records(cfg, recipe, ns)
         eval_datasets = load_eval_datasets(cfg, recipe, ns)
+        check_writable_dir(cfg.run_dir, "--run-dir")
+        if cfg.driver.save is not None:  # found at the first save otherwise, after the run's first steps
+            check_writable_dir(cfg.driver.save, "--save")
     except ConfigError as e:
         config_error_exit(parser, e)
     configure_logging(ns.log_format, ns.log_level)
@@ -335,7 +361,19 @@ class _Stopper:
         self.received.append(signum)
         if self.controller is not None and len(self.received) == 1:
             self.controller.request_stop()
-        elif self.task is not None:
+            return
+        if self.controller is not None:  # a second signal while the steps run: the stop's save is skipped
+            last = self.controller.last_checkpoint_step
+            log.warning(
+                "second signal: stopping now, skipping the checkpoint save; `--load` resumes from the last "
+                "complete checkpoint and trains the steps after it again"
+                if last is not None
+                else "second signal: stopping now, skipping the checkpoint save; there is no checkpoint, "
+                "a new run starts from scratch",
+                signal=signal.Signals(signum).name,
+                last_checkpoint_step=last,
+            )
+        if self.task is not None:
             self.task.cancel()
 
     def remove(self) -> None:

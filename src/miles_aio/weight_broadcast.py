@@ -56,9 +56,7 @@ def is_loopback(host: str) -> bool:
     return host in ("localhost", "127.0.0.1", "::1") or host.startswith("127.")
 
 
-def loopback_store(
-    host: str, port: int, world_size: int, *, is_master: bool, timeout: timedelta
-) -> TCPStore:
+def loopback_store(host: str, port: int, world_size: int, *, is_master: bool, timeout: timedelta) -> TCPStore:
     """A TCPStore at host:port whose server (the master) listens on that address alone: torch binds a
     store's server to every interface whatever the host, and a store takes unauthenticated writes, but
     it serves on a socket it is handed (`master_listen_fd`). Clients connect as to any TCPStore."""

@@ -38,6 +38,27 @@ class Models:
     """A valid checkpoint outside the weights root."""
 
 
+@dataclass(frozen=True)
+class ModelPair:
+    root: Path
+    """The engines' --weights-root."""
+    m1: Path
+    """The served model."""
+    m2: Path
+    """Same shape, other weights: the target of weight updates."""
+
+
+def model_pair(root: Path, *, seeds: tuple[int, int] = (0, 1), **kw: Any) -> ModelPair:
+    """Two tiny Llamas of one shape under `root` (build_tiny_llama's arguments, e.g. a long context)."""
+    from miles_aio.models import build_tiny_llama
+
+    return ModelPair(
+        root=root,
+        m1=build_tiny_llama(root / "m1", seed=seeds[0], **kw),
+        m2=build_tiny_llama(root / "m2", seed=seeds[1], **kw),
+    )
+
+
 class EngineProcess:
     """A running engine: `url`, `pid`, and `stop()`. Its stderr goes to a file, shown on failures."""
 

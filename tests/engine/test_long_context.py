@@ -13,7 +13,6 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -21,8 +20,14 @@ from typing import Any
 import httpx
 import pytest
 
-from miles_aio.models import build_tiny_llama
-from tests.engine.helpers import ALPHABET, EngineProcess, reference_logprobs, token_versions
+from tests.engine.helpers import (
+    ALPHABET,
+    EngineProcess,
+    ModelPair,
+    model_pair,
+    reference_logprobs,
+    token_versions,
+)
 from tests.engine.parity import ATOL, lps, post_generate, reference_input_logprobs, server_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -31,32 +36,22 @@ CONTEXT = 2048
 VOCAB_LO, VOCAB_HI = 3, 3 + len(ALPHABET)  # the alphabet's ids; 0-2 are <pad> <s> </s>
 
 
-@dataclass(frozen=True)
-class LongModels:
-    root: Path
-    m1: Path
-    m2: Path
-
-
 @pytest.fixture(scope="module")
-def long_models(tmp_path_factory: pytest.TempPathFactory) -> LongModels:
+def long_models(tmp_path_factory: pytest.TempPathFactory) -> ModelPair:
     root = tmp_path_factory.mktemp("long-weights")
-    small: dict[str, Any] = {"alphabet": ALPHABET, "hidden_size": 64, "max_position_embeddings": CONTEXT}
-    return LongModels(
-        root=root,
-        m1=build_tiny_llama(root / "l1", seed=20, **small),
-        m2=build_tiny_llama(root / "l2", seed=21, **small),
+    return model_pair(
+        root, seeds=(20, 21), alphabet=ALPHABET, hidden_size=64, max_position_embeddings=CONTEXT
     )
 
 
-def _start(models: LongModels, log_dir: Path) -> EngineProcess:
+def _start(models: ModelPair, log_dir: Path) -> EngineProcess:
     return EngineProcess(
         models.m1, "--weights-root", str(models.root), "--max-running-requests", "64", log_dir=log_dir
     )
 
 
 @pytest.fixture(scope="module")
-def long_engine(long_models: LongModels, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
+def long_engine(long_models: ModelPair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
     proc = _start(long_models, tmp_path_factory.mktemp("long-logs"))
     yield proc
     assert proc.stop() == 0, proc.stderr()
@@ -127,7 +122,7 @@ def test_grpo_groups_in_flight(
     lc: httpx.Client,
     api_types: ModuleType,
     long_engine: EngineProcess,
-    long_models: LongModels,
+    long_models: ModelPair,
     pool: ThreadPoolExecutor,
 ) -> None:
     """4 groups x 8 samples of one ~400-token prompt each, all 32 in flight, 300-1,500 new tokens."""
@@ -187,7 +182,7 @@ def test_prefix_cache_hits_at_long_lengths(lc: httpx.Client, api_types: ModuleTy
 
 
 def test_kv_growth_in_the_middle_of_a_running_batch(
-    api_types: ModuleType, long_models: LongModels, tmp_path: Path, pool: ThreadPoolExecutor
+    api_types: ModuleType, long_models: ModelPair, tmp_path: Path, pool: ThreadPoolExecutor
 ) -> None:
     """A fresh engine (pool at 256 positions) decoding 6 short requests is joined by a 1,500-token
     prompt (the pool must grow under them) and then by a prompt that hits its cached KV."""
@@ -253,7 +248,7 @@ def test_pauses_and_weight_updates_at_long_lengths(
     lc: httpx.Client,
     api_types: ModuleType,
     long_engine: EngineProcess,
-    long_models: LongModels,
+    long_models: ModelPair,
     pool: ThreadPoolExecutor,
     order: str,
 ) -> None:
@@ -324,7 +319,7 @@ def test_pauses_and_weight_updates_at_long_lengths(
 
 
 def test_logprobs_at_long_lengths_match_reference(
-    lc: httpx.Client, api_types: ModuleType, long_models: LongModels
+    lc: httpx.Client, api_types: ModuleType, long_models: ModelPair
 ) -> None:
     prompt = _ids(1000, seed=500)
     sample = post_generate(lc, api_types, _body(prompt, _sampled(800, seed=3)))

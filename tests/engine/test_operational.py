@@ -39,7 +39,6 @@ from miles_aio.engine.timeouts import (
     waiting_timeout_reason,
     watchdog_deadline,
 )
-from miles_aio.models import build_tiny_llama
 from miles_aio.weight_broadcast import (
     broadcast_flattened_bucket,
     bucket_layout,
@@ -48,7 +47,15 @@ from miles_aio.weight_broadcast import (
     init_custom_process_group,
 )
 from tests.conftest import run_virtual
-from tests.engine.helpers import ALPHABET, EngineProcess, check_response, logprobs, reference_logprobs
+from tests.engine.helpers import (
+    ALPHABET,
+    EngineProcess,
+    ModelPair,
+    check_response,
+    logprobs,
+    model_pair,
+    reference_logprobs,
+)
 
 pytestmark = [pytest.mark.timeout(90)]
 slow = pytest.mark.slow
@@ -353,37 +360,25 @@ def test_flattened_bucket_is_sglangs_byte_for_byte(
 # ---- engines ----
 
 
-@dataclass(frozen=True)
-class _Models:
-    root: Path
-    a: Path
-    b: Path
-
-
 @pytest.fixture(scope="module")
-def long_models(tmp_path_factory: pytest.TempPathFactory) -> _Models:
+def long_models(tmp_path_factory: pytest.TempPathFactory) -> ModelPair:
     root = tmp_path_factory.mktemp("ops-weights")
-    kw: dict[str, Any] = {"alphabet": ALPHABET, "hidden_size": 64, "max_position_embeddings": 2048}
-    return _Models(
-        root=root,
-        a=build_tiny_llama(root / "a", seed=21, **kw),
-        b=build_tiny_llama(root / "b", seed=22, **kw),
-    )
+    return model_pair(root, seeds=(21, 22), alphabet=ALPHABET, hidden_size=64, max_position_embeddings=2048)
 
 
-def _start(models: _Models, log_dir: Path, *args: str, env: dict[str, str] | None = None) -> EngineProcess:
-    return EngineProcess(models.a, "--weights-root", str(models.root), *args, log_dir=log_dir, env=env)
+def _start(models: ModelPair, log_dir: Path, *args: str, env: dict[str, str] | None = None) -> EngineProcess:
+    return EngineProcess(models.m1, "--weights-root", str(models.root), *args, log_dir=log_dir, env=env)
 
 
 @pytest.fixture(scope="module")
-def ops(long_models: _Models, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
+def ops(long_models: ModelPair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
     proc = _start(long_models, tmp_path_factory.mktemp("ops-logs"), "--max-running-requests", "3")
     yield proc
     assert proc.stop() == 0, proc.stderr()
 
 
 @pytest.fixture(scope="module")
-def timed(long_models: _Models, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
+def timed(long_models: ModelPair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
     env = {"SGLANG_REQ_WAITING_TIMEOUT": str(WAITING_S), "SGLANG_REQ_RUNNING_TIMEOUT": str(RUNNING_S)}
     proc = _start(
         long_models, tmp_path_factory.mktemp("timed-logs"),
@@ -627,7 +622,7 @@ def test_flattened_bucket_update_with_a_string_master_port(
     ops_client: httpx.Client,
     ops: EngineProcess,
     pool: ThreadPoolExecutor,
-    long_models: _Models,
+    long_models: ModelPair,
     api_types: ModuleType,
 ) -> None:
     # InitWeightsUpdateGroupReqInput.master_port is an int: pydantic takes "29500" (and rank_offset "1",
@@ -665,7 +660,7 @@ def test_flattened_bucket_update_with_a_string_master_port(
             return answer.result()
 
         # Mixed dtypes in one bucket (norms in bf16: all 1.0, exact), cast into the float32 engine.
-        b = sorted(load_file(str(long_models.b / "model.safetensors")).items())
+        b = sorted(load_file(str(long_models.m2 / "model.safetensors")).items())
         b = [(n, t.bfloat16() if n.endswith("norm.weight") else t) for n, t in b]
         resp = push(b, weight_version="b")
         assert resp.json() == {
@@ -675,7 +670,7 @@ def test_flattened_bucket_update_with_a_string_master_port(
         after = _ok(_post(pool, ops.url, _body("after", 24, return_logprob=True)), api_types)
         assert after["meta_info"]["weight_version"] == "b"
         assert logprobs(after) == pytest.approx(
-            reference_logprobs(long_models.b, PROMPT, after["output_ids"]), abs=1e-4
+            reference_logprobs(long_models.m2, PROMPT, after["output_ids"]), abs=1e-4
         )
         assert logprobs(after) != pytest.approx(logprobs(before), abs=1e-3)
         # A layout SGLang's receiver refuses: its message, and the served weights stay as they are.
@@ -696,7 +691,7 @@ def test_flattened_bucket_update_with_a_string_master_port(
         assert ops_client.post("/destroy_weights_update_group", json={"group_name": group}).json()["success"]
         destroy_process_group(pg)
         ops_client.post(
-            "/update_weights_from_disk", json={"model_path": str(long_models.a), "weight_version": "default"}
+            "/update_weights_from_disk", json={"model_path": str(long_models.m1), "weight_version": "default"}
         )
 
 
@@ -705,7 +700,7 @@ def test_flush_on_update_is_refused_while_in_place_requests_hold_kv(
     ops_client: httpx.Client,
     ops: EngineProcess,
     pool: ThreadPoolExecutor,
-    long_models: _Models,
+    long_models: ModelPair,
     api_types: ModuleType,
 ) -> None:
     # scheduler weight_updater.flush_cache_after_weight_update: the weights are loaded, then a flush that
@@ -716,18 +711,18 @@ def test_flush_on_update_is_refused_while_in_place_requests_hold_kv(
     time.sleep(0.2)
     ops_client.post("/pause_generation", json={"mode": "in_place"})
     resp = ops_client.post(
-        "/update_weights_from_disk", json={"model_path": str(long_models.b), "weight_version": "b"}
+        "/update_weights_from_disk", json={"model_path": str(long_models.m2), "weight_version": "b"}
     )
     assert resp.status_code == 400
     assert resp.json() == {"success": False, "message": CACHE_NOT_FLUSHED, "num_paused_requests": 1}
     norm = ops_client.post(
         "/get_weights_by_name", json={"name": "model.layers.0.self_attn.q_proj.weight", "truncate_size": 1}
     ).json()
-    q_b = load_file(str(long_models.b / "model.safetensors"))["model.layers.0.self_attn.q_proj.weight"]
+    q_b = load_file(str(long_models.m2 / "model.safetensors"))["model.layers.0.self_attn.q_proj.weight"]
     assert norm[0] == pytest.approx(q_b[0].tolist())  # applied all the same
     resp = ops_client.post(
         "/update_weights_from_disk",
-        json={"model_path": str(long_models.a), "weight_version": "default", "flush_cache": "false"},
+        json={"model_path": str(long_models.m1), "weight_version": "default", "flush_cache": "false"},
     )
     assert resp.json() == {
         "success": True,
@@ -818,7 +813,7 @@ def test_retracted_request_times_out_waiting_and_a_long_one_running(
 
 @slow
 def test_hard_watchdog_kills_an_engine_frozen_in_place(
-    long_models: _Models, tmp_path: Path, pool: ThreadPoolExecutor
+    long_models: ModelPair, tmp_path: Path, pool: ThreadPoolExecutor
 ) -> None:
     # utils/watchdog.py + invariant_checker.create_scheduler_watchdog: active while a batch is current
     # (cur_batch_for_debug), counter forward_ct. A retract pause leaves no batch (no kill); an in_place pause

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from miles_aio.checkpoint import read_controller_state, step_dir
 from miles_aio.ledger import check_conservation, read_ledger
 
 SMALL = [
@@ -81,7 +82,7 @@ def alive(pid: int) -> bool:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_saves_a_checkpoint_and_leaves_no_process(tmp_path: Path, sig: signal.Signals) -> None:
     run_dir = tmp_path / "run"
     proc = start(run_dir, "--num-rollout", "10000")
@@ -130,7 +131,10 @@ def test_sigkill_of_the_controller_then_load_loses_and_duplicates_nothing(tmp_pa
     _, stderr = resumed.communicate(timeout=200)
     assert resumed.returncode == 0, stderr[-3000:]
     events = read_ledger(run_dir / "ledger.jsonl")
-    assert [e for e in events if e.get("event") == "resume"] == [{"event": "resume", "from_step": saved}]
+    marker = read_controller_state(step_dir(run_dir / "checkpoints", saved)).ledger_checkpoint
+    assert [e for e in events if e.get("event") == "resume"] == [
+        {"event": "resume", "from_step": saved, "checkpoint": marker}
+    ]
     counts = check_conservation(events)
     assert counts["trained"] >= target * 8
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -86,6 +86,9 @@ INVALID: list[tuple[list[str], list[str]]] = [
     (["--eval-max-in-flight", "0"], ["--eval-max-in-flight"]),
     (["--eval-keep-snapshots", "-1"], ["--eval-keep-snapshots"]),
     (["--eval-overflow-policy", "drop"], ["--eval-overflow-policy"]),
+    (["--engine-admin-timeout-s", "0"], ["--engine-admin-timeout-s"]),
+    (["--engine-max-restarts", "-1"], ["--engine-max-restarts"]),
+    (["--trainer-heartbeat-timeout-s", "-1"], ["--trainer-heartbeat-timeout-s"]),
 ]
 
 

@@ -34,3 +34,24 @@ def test_a_dict_reward_counts_by_its_reward_key() -> None:
     assert rollout_batch_metrics([group], version=1)["rollout/reward"] == 0.0  # nothing to read
     evals = dataset_metrics("ds", group, reward_key="acc")
     assert evals["eval/ds/reward"] == pytest.approx(0.5) and evals["eval/ds/accuracy"] == pytest.approx(0.5)
+
+
+def test_model_token_ratio_is_the_share_of_response_tokens_at_loss_mask_1() -> None:
+    multi_turn = Sample(
+        group_index=0,
+        index=2,
+        prompt="",
+        tokens=[1, 2, 3, 4, 5, 6, 7],
+        response_length=6,
+        loss_mask=[1, 1, 0, 0, 0, 1],  # a reply, a tool's output, the answer
+        rollout_log_probs=[-1.0, -1.0, 0.0, 0.0, 0.0, -1.0],
+        weight_versions=[1, 1, None, None, None, 1],
+        reward=1.0,
+        status=Status.COMPLETED,
+    )
+    assert rollout_batch_metrics([[sample(0, 1.0), sample(1, 0.0)]], version=1)[
+        "rollout/model_token_ratio"
+    ] == pytest.approx(1.0)
+    assert rollout_batch_metrics([[sample(0, 1.0), multi_turn]], version=1)[
+        "rollout/model_token_ratio"
+    ] == pytest.approx(4 / 7)

@@ -148,19 +148,11 @@ def _openai_errors(handler: Handler) -> Handler:
 # ---- small typed readers of the request body ----
 
 
-def _is(value: object, kind: type) -> bool:
-    if isinstance(value, bool):
-        return kind is bool
-    if kind is float:
-        return isinstance(value, int | float)
-    return isinstance(value, kind)
-
-
 def _opt(m: Mapping[str, Any], key: str, kind: type[T]) -> T | None:
     value = m.get(key)
     if value is None:
         return None
-    if not _is(value, kind):
+    if not proto.is_kind(value, kind):
         raise _schema_error(f"invalid type for `{key}`: {value!r}, expected {kind.__name__}", key)
     return float(value) if kind is float else value  # type: ignore[return-value]  # checked above
 
@@ -368,7 +360,7 @@ class OpenAIHandlers:
         """`prompt` → token ids per prompt, and each prompt's text where it was given as text."""
         if raw is None:
             raise _schema_error("missing field `prompt`", "prompt")
-        if isinstance(raw, str) or (isinstance(raw, list) and raw and _is(raw[0], int)):
+        if isinstance(raw, str) or (isinstance(raw, list) and raw and proto.is_kind(raw[0], int)):
             items: list[object] = [raw]
         elif isinstance(raw, list):
             items = list(raw)
@@ -382,7 +374,7 @@ class OpenAIHandlers:
             if isinstance(p, str):
                 ids.append(self._encode(p, add_special_tokens=True))
                 texts.append(p)
-            elif isinstance(p, list) and all(_is(t, int) for t in p):
+            elif isinstance(p, list) and all(proto.is_kind(t, int) for t in p):
                 ids.append(list(p))
                 texts.append(None)
             else:

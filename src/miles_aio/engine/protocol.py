@@ -32,6 +32,7 @@ __all__ = [
     "UpdateFromDiskReq",
     "UpdateFromDistributedReq",
     "UpdateVersionReq",
+    "is_kind",
     "parse_abort",
     "parse_generate",
     "parse_group_name",
@@ -292,7 +293,7 @@ def _str_per_prompt(m: Mapping[str, Any], key: str, *, size: int, single: bool) 
 
 
 def _checked(value: object, key: str, kind: type) -> object:
-    if not _is(value, kind):
+    if not is_kind(value, kind):
         raise BadRequest(f"invalid type for `{key}`: {value!r}, expected {kind.__name__}", contract=True)
     return value
 
@@ -300,7 +301,7 @@ def _checked(value: object, key: str, kind: type) -> object:
 def _token_ids_logprob(raw: object, *, size: int, n: int) -> list[tuple[int, ...]]:
     if not raw:
         return [()] * size
-    if isinstance(raw, list) and all(_is(t, int) for t in raw):
+    if isinstance(raw, list) and all(is_kind(t, int) for t in raw):
         return [tuple(raw)] * size
     if isinstance(raw, list) and all(isinstance(r, list) for r in raw):
         if n > 1:
@@ -399,7 +400,7 @@ def _logit_bias(raw: object) -> tuple[tuple[int, float], ...]:
             token = int(key)
         except ValueError:
             raise BadRequest(f"logit_bias key {key!r} is not a token id") from None
-        if not _is(bias, float):
+        if not is_kind(bias, float):
             raise BadRequest(f"logit_bias[{key!r}] must be a number, got {bias!r}", contract=True)
         out.append((token, float(bias)))
     return tuple(sorted(out))
@@ -521,7 +522,8 @@ def _object(value: object, what: str) -> Mapping[str, Any]:
     return value
 
 
-def _is(value: object, kind: type) -> bool:
+def is_kind(value: object, kind: type) -> bool:
+    """A JSON value's type check as serde/msgspec do it: a bool is no int, an int is a float."""
     if isinstance(value, bool):
         return kind is bool
     if kind is float:
@@ -533,7 +535,7 @@ def _opt(m: Mapping[str, Any], key: str, kind: type[T]) -> T | None:
     value = m.get(key)
     if value is None:
         return None
-    if not _is(value, kind):
+    if not is_kind(value, kind):
         raise BadRequest(f"invalid type for `{key}`: {value!r}, expected {kind.__name__}", contract=True)
     return float(value) if kind is float else value  # type: ignore[return-value]  # checked above
 
@@ -546,7 +548,7 @@ def _required(m: Mapping[str, Any], key: str, kind: type[T]) -> T:
 
 
 def _int_list(value: object, key: str) -> list[int]:
-    if not isinstance(value, list) or not all(_is(v, int) for v in value):
+    if not isinstance(value, list) or not all(is_kind(v, int) for v in value):
         raise BadRequest(f"invalid type for `{key}`: expected a list of integers", contract=True)
     return value
 

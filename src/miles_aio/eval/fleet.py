@@ -22,6 +22,7 @@ from pathlib import Path
 from miles_aio.config import RunConfig
 from miles_aio.data.source import PromptRecord
 from miles_aio.inference.base import InferenceEngine
+from miles_aio.inference.engines import api_key_args
 from miles_aio.inference.router import EngineRouter
 from miles_aio.rollout.context import LimitedEngine, RolloutContext
 from miles_aio.rollout.limiter import Limiter
@@ -106,7 +107,7 @@ async def open_eval_engines(
                         num_engines=n,
                         gpus_per_engine=ev.eval_num_gpus_per_engine,
                         gpu_offset=t.actor_num_nodes * t.actor_num_gpus_per_node + e.rollout_num_gpus,
-                        extra_args=sglang_args,
+                        extra_args=[*sglang_args, *api_key_args(e.sglang_api_key)],
                         log_dir=cfg.run_dir / "logs" / "eval",
                     )
                 )
@@ -120,6 +121,7 @@ async def open_eval_engines(
                         weights_root=snapshot_root(cfg),
                         num_threads=e.engine_num_threads,
                         log_dir=cfg.run_dir / "logs" / "eval",
+                        api_key=e.sglang_api_key,
                     )
                 )
         yield await stack.enter_async_context(EngineRouter.open(urls, api_key=e.sglang_api_key))

@@ -420,6 +420,10 @@ class SGLangClient:
         }
         await self._post_json("/update_weights_from_distributed", body)
 
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        """`/destroy_weights_update_group`: leave a broadcast group (one formed for an older membership)."""
+        await self._post_json("/destroy_weights_update_group", {"group_name": group_name})
+
     async def abort_request(self, *, rid: str = "", abort_all: bool = False) -> None:
         """`/abort_request` for one rid, or for every request with `abort_all`."""
         if not rid and not abort_all:
@@ -451,7 +455,8 @@ class SGLangClient:
 
 
 def _error_text(body: bytes) -> str:
-    """The server's error message: SGLang sends {"error": {"message": ...}} or {"error": "..."}."""
+    """The server's error message: SGLang sends {"error": {"message": ...}}, {"error": "..."}, or its
+    ErrorResponse {"object": "error", "message": ..., "code": ...} (validation errors, request timeouts)."""
     try:
         data = json.loads(body)
     except (ValueError, RecursionError):

@@ -4,7 +4,13 @@
   sglang   `--rollout-num-gpus / --rollout-num-gpus-per-engine` SGLang servers, started here on the
            GPUs after the trainer's (`gpu_offset`), with every `--sglang-<flag>` passed through
   urls     `--sglang-urls`: servers (or one sglang-router) that are already running
-Whatever started them stops them on every exit path.
+Whatever started them stops them on every exit path. `--sglang-api-key` is given to the engines started
+here (as their `--api-key`, so they enforce it) and sent by the router to every engine, started or not.
+
+Engines started here are supervised: one whose process dies is restarted (`--engine-max-restarts`,
+`inference.supervisor`) and rejoins the router once it has the current weights; engines given by URL
+rejoin when they answer again. Every weight-push call to an engine is bounded by
+`--engine-admin-timeout-s` (the router excludes an engine that fails or misses it).
 
 `--pause-generation-mode in_place` on SGLang needs its radix cache off: requests frozen in place finish
 on their pre-update KV, which SGLang's prefix cache would then serve to new requests (miles #2782; the
@@ -14,15 +20,18 @@ servers without `--sglang-disable-radix-cache` before anything starts; servers g
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
 from miles_aio.config import RunConfig
-from miles_aio.errors import ConfigError
-from miles_aio.inference.router import EngineRouter
+from miles_aio.errors import ConfigError, primary_error
+from miles_aio.inference.availability import RestartPolicy
+from miles_aio.inference.router import EngineRouter, RouterPolicy
+from miles_aio.inference.supervisor import EngineLauncher, EngineProcess, supervise_engines
 
-__all__ = ["check_in_place_prefix_cache", "open_engines"]
+__all__ = ["api_key_args", "check_in_place_prefix_cache", "open_engines"]
 
 _IN_PLACE_FLAGS = ["--pause-generation-mode", "--sglang-disable-radix-cache"]
 _IN_PLACE_WHY = (
@@ -46,10 +55,18 @@ def check_in_place_prefix_cache(cfg: RunConfig, sglang_args: Sequence[str]) -> N
         )
 
 
+def api_key_args(api_key: str | None) -> list[str]:
+    """`--api-key KEY` for the SGLang servers a run launches (nothing without a key): `--sglang-api-key`
+    is the run's own flag (its client sends it), so it is not among the passed-through `--sglang-*`."""
+    return ["--api-key", api_key] if api_key else []
+
+
 async def _ask_in_place_prefix_cache(router: EngineRouter) -> None:
-    """Servers given by URL: refuse in_place on any whose /server_info says the radix cache is on."""
+    """Servers given by URL: refuse in_place on any whose /server_info says the radix cache is on (not the
+    embedded engine's prefix cache, which it tags by weights epoch: `engine` marks it in /server_info)."""
     for client in router.clients:
-        if (await client.server_info()).get("disable_radix_cache") is False:
+        info = await client.server_info()
+        if info.get("disable_radix_cache") is False and info.get("engine") != "miles_aio-embedded":
             raise ConfigError(
                 f"{_IN_PLACE_WHY}; {client.url} runs with it: restart it with --disable-radix-cache, "
                 "or use --pause-generation-mode retract",
@@ -62,37 +79,65 @@ async def open_engines(
     cfg: RunConfig, *, model_path: Path, gpu_offset: int = 0, sglang_args: Sequence[str] = ()
 ) -> AsyncIterator[EngineRouter]:
     e = cfg.engine
+    launcher: EngineLauncher | None = None
+    procs: Sequence[EngineProcess] = ()
     async with AsyncExitStack() as stack:
         if e.sglang_urls:
             urls = list(e.sglang_urls)
         elif e.rollout_backend == "sglang":
-            from miles_aio.inference.sglang_launch import launch_sglang_servers
+            from miles_aio.inference.sglang_launch import sglang_servers
 
-            urls = await stack.enter_async_context(
-                launch_sglang_servers(
+            servers = await stack.enter_async_context(
+                sglang_servers(
                     model_path,
-                    num_engines=e.num_engines,
                     gpus_per_engine=e.rollout_num_gpus_per_engine,
                     gpu_offset=gpu_offset,
-                    extra_args=sglang_args,
+                    extra_args=[*sglang_args, *api_key_args(e.sglang_api_key)],
                     log_dir=cfg.run_dir / "logs",
                 )
             )
+            launcher, procs = servers, await servers.start_all(e.num_engines)
         else:
-            from miles_aio.inference.local_launch import launch_local_engines
+            from miles_aio.inference.local_launch import local_engines
 
-            urls = await stack.enter_async_context(
-                launch_local_engines(
+            local = await stack.enter_async_context(
+                local_engines(
                     model_path,
-                    num_engines=e.num_engines,
                     weights_root=cfg.run_dir,
                     num_threads=e.engine_num_threads,
                     log_dir=cfg.run_dir / "logs",
+                    api_key=e.sglang_api_key,
                 )
             )
+            launcher, procs = local, await local.start_all(e.num_engines)
+        if launcher is not None:
+            urls = [p.url for p in procs]
+        policy = RouterPolicy(admin_timeout_s=e.engine_admin_timeout_s)
         router = await stack.enter_async_context(
-            EngineRouter.open(urls, api_key=e.sglang_api_key, partial_rollout=cfg.driver.partial_rollout)
+            EngineRouter.open(
+                urls, api_key=e.sglang_api_key, partial_rollout=cfg.driver.partial_rollout, policy=policy
+            )
         )
         if e.sglang_urls and cfg.driver.pause_generation_mode == "in_place":
             await _ask_in_place_prefix_cache(router)
-        yield router
+        if launcher is None:
+            yield router
+            return
+        # Launched engines: the supervisor restarts dead ones (stopped before the launcher stops them all)
+        restarts = RestartPolicy(max_restarts=e.engine_max_restarts)
+        body_error: Exception | None = None
+        try:
+            async with asyncio.TaskGroup() as tg:
+                supervisor = tg.create_task(
+                    supervise_engines(router, launcher, procs, restarts), name="engine-supervisor"
+                )
+                try:
+                    yield router
+                except Exception as exc:  # re-raised below as itself, not wrapped in an ExceptionGroup
+                    body_error = exc
+                finally:
+                    supervisor.cancel()
+        except BaseExceptionGroup as eg:
+            raise primary_error(eg)  # noqa: B904 - the supervisor's own error, with its cause chain
+        if body_error is not None:
+            raise body_error

@@ -8,10 +8,19 @@ each child's stdout until its one JSON "ready" line (so no port is guessed and n
 line the child points its stdout at its stderr, so the pipe never fills. Stderr goes to
 `<log_dir>/engine-<i>.log` (a fresh temporary folder if none is given, removed again on exit), so no task
 has to drain it. A child that exits before it is ready raises `EngineStartError` with the tail of its log.
+`local_engines()` is the launcher underneath: `start(i)` starts engine i again (a fresh port) for the
+supervisor that restarts dead engines (`inference.supervisor`); it stops every engine it started on exit.
 
-Cleanup, on every exit path (normal, exception, cancellation): SIGTERM, up to `_TERM_GRACE_S` to exit, then
-SIGKILL. If the controller itself is SIGKILLed, the children get SIGTERM from the kernel
-(`PR_SET_PDEATHSIG`, see `_pdeathsig`) and also see stdin EOF, and exit on their own.
+Each child runs in its own session (process group): a terminal's Ctrl-C or a job scheduler's SIGTERM goes
+to the controller's foreground group, and must reach only the controller, which finishes its step, saves
+and then stops the engines itself (an engine killed by the same signal would fail the step it is serving).
+Cleanup, on every exit path (normal, exception, cancellation): SIGTERM to the child's group, up to
+`_TERM_GRACE_S` to exit, then SIGKILL. If the controller itself is SIGKILLed, the children get SIGTERM from
+the kernel (`PR_SET_PDEATHSIG`, see `_pdeathsig`) and also see stdin EOF, and exit on their own.
+
+`api_key` (the run's `--sglang-api-key`) is passed as the engines' API key (in their environment, out
+of the process list), so they refuse requests without it, as SGLang servers given that key do; the run's
+client sends it.
 """
 
 from __future__ import annotations
@@ -19,10 +28,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import shutil
+import signal
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,9 +42,10 @@ from typing import Final
 import structlog
 
 from miles_aio._aio import finish_even_if_cancelled
+from miles_aio.engine.cli import API_KEY_ENV  # the engine program's interface; imports no torch
 from miles_aio.inference._pdeathsig import die_with_parent
 
-__all__ = ["EngineStartError", "launch_local_engines"]
+__all__ = ["EngineStartError", "LocalEngines", "launch_local_engines", "local_engines"]
 
 _log = structlog.get_logger(__name__)
 _TERM_GRACE_S: Final = 10.0
@@ -49,6 +61,15 @@ class _Child:
     index: int
     proc: asyncio.subprocess.Process
     log_path: Path
+    url: str = ""
+    """Set once the engine printed its ready line."""
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    async def wait(self) -> int:
+        return await self.proc.wait()
 
     def tail(self) -> str:
         try:
@@ -58,20 +79,70 @@ class _Child:
         return "\n".join(lines) or "(no stderr output)"
 
 
+class LocalEngines:
+    """The launcher of `local_engines()`: starts embedded engine processes (`start`, `start_all`); the
+    context manager stops every one it ever started. Engine i logs to `<log_dir>/engine-<i>.log` (a
+    restart appends to it) and gets a fresh port each start."""
+
+    def __init__(
+        self, cmd: Sequence[str], logs: Path, ready_timeout_s: float, env: Mapping[str, str] | None = None
+    ) -> None:
+        self._cmd, self._logs, self._ready_timeout_s = list(cmd), logs, ready_timeout_s
+        self._env = None if env is None else {**os.environ, **env}
+        self.children: list[_Child] = []
+
+    async def _spawn(self, index: int) -> _Child:
+        log_path = self._logs / f"engine-{index}.log"
+        with log_path.open("ab") as log_file:
+            proc = await asyncio.create_subprocess_exec(
+                *die_with_parent(self._cmd),  # SIGTERM when this process dies, even by SIGKILL
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=log_file,
+                env=self._env,
+                start_new_session=True,  # the terminal's / scheduler's group signals reach only us
+            )
+        child = _Child(index, proc, log_path)
+        self.children.append(child)
+        return child
+
+    async def _ready(self, children: list[_Child]) -> None:
+        try:
+            async with asyncio.timeout(self._ready_timeout_s):
+                for c in children:
+                    c.url = await _wait_ready(c)
+        except TimeoutError:
+            raise EngineStartError(
+                f"engine not ready after {self._ready_timeout_s} s; stderr tail:\n"
+                + "\n".join(f"[engine {c.index}] {c.tail()}" for c in children)
+            ) from None
+
+    async def start_all(self, num_engines: int) -> list[_Child]:
+        """Start engines 0..num_engines-1 together; return them once every one is ready."""
+        children = [await self._spawn(i) for i in range(num_engines)]
+        await self._ready(children)
+        _log.info("engines.ready", urls=[c.url for c in children], pids=[c.pid for c in children])
+        return children
+
+    async def start(self, index: int) -> _Child:
+        """Start engine `index` (again, e.g. after it died); return it once it is ready."""
+        child = await self._spawn(index)
+        await self._ready([child])
+        return child
+
+
 @asynccontextmanager
-async def launch_local_engines(
+async def local_engines(
     model_path: Path | str,
     *,
-    num_engines: int,
     weights_root: Path | str | None = None,
     num_threads: int = 1,
     extra_args: Sequence[str] = (),
     ready_timeout_s: float = 120.0,
     log_dir: Path | str | None = None,
-) -> AsyncIterator[list[str]]:
-    """Start `num_engines` engines on loopback ports and yield their base URLs (in start order)."""
-    if num_engines < 1:
-        raise ValueError(f"num_engines must be >= 1, got {num_engines}")
+    api_key: str | None = None,
+) -> AsyncIterator[LocalEngines]:
+    """A launcher of embedded engines on loopback ports; every engine it started is stopped on exit."""
     cmd = [
         sys.executable,
         "-m",
@@ -86,40 +157,50 @@ async def launch_local_engines(
     ]
     if weights_root is not None:
         cmd += ["--weights-root", str(weights_root)]
+    # The key goes by environment, not argv: any local user can read a process's command line.
+    env = {API_KEY_ENV: api_key} if api_key else None
     cmd += list(extra_args)
     own_logs = log_dir is None  # a temporary folder of ours: removed once the engines are down
     logs = Path(tempfile.mkdtemp(prefix="miles-aio-engines-")) if log_dir is None else Path(log_dir)
-    children: list[_Child] = []
+    launcher = LocalEngines(cmd, logs, ready_timeout_s, env)
     try:
         logs.mkdir(parents=True, exist_ok=True)
-        for i in range(num_engines):
-            log_path = logs / f"engine-{i}.log"
-            with log_path.open("ab") as log_file:
-                proc = await asyncio.create_subprocess_exec(
-                    *die_with_parent(cmd),  # SIGTERM when this process dies, even by SIGKILL
-                    stdin=asyncio.subprocess.PIPE,
-                    stdout=asyncio.subprocess.PIPE,
-                    stderr=log_file,
-                )
-            children.append(_Child(i, proc, log_path))
-        try:
-            async with asyncio.timeout(ready_timeout_s):
-                urls = [await _wait_ready(c) for c in children]
-        except TimeoutError:
-            raise EngineStartError(
-                f"engine not ready after {ready_timeout_s} s; stderr tail:\n"
-                + "\n".join(f"[engine {c.index}] {c.tail()}" for c in children)
-            ) from None
-        _log.info("engines.ready", urls=urls, pids=[c.proc.pid for c in children])
-        yield urls
+        yield launcher
     finally:
         # The stop runs to completion even if this task is cancelled (again) meanwhile: a cancelled caller
         # must not leave children behind. The cancellation is re-raised once they are gone.
         try:
-            await finish_even_if_cancelled(_stop_all(children))
+            await finish_even_if_cancelled(_stop_all(launcher.children))
         finally:
             if own_logs:
                 shutil.rmtree(logs, ignore_errors=True)
+
+
+@asynccontextmanager
+async def launch_local_engines(
+    model_path: Path | str,
+    *,
+    num_engines: int,
+    weights_root: Path | str | None = None,
+    num_threads: int = 1,
+    extra_args: Sequence[str] = (),
+    ready_timeout_s: float = 120.0,
+    log_dir: Path | str | None = None,
+    api_key: str | None = None,
+) -> AsyncIterator[list[str]]:
+    """Start `num_engines` engines on loopback ports and yield their base URLs (in start order)."""
+    if num_engines < 1:
+        raise ValueError(f"num_engines must be >= 1, got {num_engines}")
+    async with local_engines(
+        model_path,
+        weights_root=weights_root,
+        num_threads=num_threads,
+        extra_args=extra_args,
+        ready_timeout_s=ready_timeout_s,
+        log_dir=log_dir,
+        api_key=api_key,
+    ) as launcher:
+        yield [c.url for c in await launcher.start_all(num_engines)]
 
 
 async def _wait_ready(child: _Child) -> str:
@@ -143,11 +224,16 @@ async def _stop_all(children: list[_Child]) -> None:
     await asyncio.gather(*(_stop(c) for c in children))
 
 
+def _signal_group(proc: asyncio.subprocess.Process, sig: signal.Signals) -> None:
+    """Signal the child's own process group (it leads it): anything it started goes down with it."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
 async def _stop(child: _Child) -> None:
     proc = child.proc
     if proc.returncode is None:
-        with contextlib.suppress(ProcessLookupError):
-            proc.terminate()
+        _signal_group(proc, signal.SIGTERM)
         try:
             await asyncio.wait_for(proc.wait(), timeout=_TERM_GRACE_S)
         except TimeoutError:
@@ -157,8 +243,7 @@ async def _stop(child: _Child) -> None:
                 pid=proc.pid,
                 hint=f"no exit {_TERM_GRACE_S} s after SIGTERM",
             )
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
+            _signal_group(proc, signal.SIGKILL)
             await proc.wait()
     if proc.stdin is not None:
         proc.stdin.close()

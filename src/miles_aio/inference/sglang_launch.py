@@ -15,6 +15,9 @@ processes: teardown signals the whole group — SIGTERM, `_TERM_GRACE_S` to exit
 exit path (normal, exception, Ctrl-C), so no GPU is left held by an orphan. If the controller dies
 without a teardown (SIGKILL, OOM killer), each server gets SIGTERM from the kernel (`PR_SET_PDEATHSIG`,
 see `_pdeathsig`) and takes its own children down.
+
+`sglang_servers()` is the launcher underneath: `start(i)` starts server i again on its GPUs (first killing
+what is left of the dead one's group) for the supervisor that restarts dead engines (`inference.supervisor`).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import structlog
 from miles_aio._aio import finish_even_if_cancelled
 from miles_aio.inference._pdeathsig import die_with_parent
 
-__all__ = ["SGLangStartError", "launch_sglang_servers", "sglang_command"]
+__all__ = ["SGLangServers", "SGLangStartError", "launch_sglang_servers", "sglang_command", "sglang_servers"]
 
 log = structlog.get_logger("miles_aio.inference.sglang_launch")
 _PROBE_INTERVAL_S: Final = 2.0  # how often an unready server is asked /health_generate
@@ -55,6 +58,13 @@ class _Server:
     url: str
     proc: asyncio.subprocess.Process
     log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    async def wait(self) -> int:
+        return await self.proc.wait()
 
     def stderr_tail(self) -> str:
         try:
@@ -80,6 +90,118 @@ def sglang_command(
     ]  # fmt: skip
 
 
+class SGLangServers:
+    """The launcher of `sglang_servers()`: starts SGLang servers (`start`, `start_all`); the context
+    manager stops every one it ever started. Engine i always gets the same GPUs, a fresh port each start
+    (unless `commands` fixes it), and logs to `<log_dir>/sglang-<i>.log` (a restart appends to it)."""
+
+    def __init__(
+        self,
+        model_path: Path | str,
+        *,
+        gpus_per_engine: int,
+        gpu_offset: int,
+        host: str,
+        extra_args: Sequence[str],
+        ready_timeout_s: float,
+        log_dir: Path,
+        commands: Sequence[Sequence[str]] | None,
+        env: Mapping[str, str] | None,
+    ) -> None:
+        self._model_path, self._gpus, self._offset = str(model_path), gpus_per_engine, gpu_offset
+        self._host, self._extra, self._ready_timeout_s = host, list(extra_args), ready_timeout_s
+        self._log_dir, self._commands, self._env = log_dir, commands, env
+        self.servers: list[_Server] = []
+
+    async def _spawn(self, i: int) -> _Server:
+        for old in self.servers:  # a dead server's own children (schedulers) may still hold its GPUs
+            if old.index == i:
+                _signal_group(old.proc, signal.SIGKILL)
+        host = self._host
+        port = free_port(host)
+        if self._commands is not None:
+            cmd = list(self._commands[i])
+            port = int(cmd[cmd.index("--port") + 1])
+        else:
+            cmd = sglang_command(
+                self._model_path, host=host, port=port, tp_size=self._gpus, extra_args=self._extra
+            )
+        gpus = range(self._offset + i * self._gpus, self._offset + (i + 1) * self._gpus)
+        child_env = {**os.environ, **(self._env or {}), "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
+        log_path = self._log_dir / f"sglang-{i}.log"
+        with log_path.open("ab") as out:
+            proc = await asyncio.create_subprocess_exec(
+                *die_with_parent(cmd),  # SIGTERM when this process dies, even by SIGKILL
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=out,
+                stderr=asyncio.subprocess.STDOUT,
+                env=child_env,
+                start_new_session=True,  # its own process group: teardown reaches SGLang's children
+            )
+        server = _Server(i, f"http://{host}:{port}", proc, log_path)
+        self.servers.append(server)
+        return server
+
+    async def _ready(self, servers: list[_Server]) -> None:
+        try:
+            async with (
+                httpx.AsyncClient(timeout=httpx.Timeout(10.0)) as client,
+                asyncio.timeout(self._ready_timeout_s),
+            ):
+                await asyncio.gather(*(_wait_healthy(client, s) for s in servers))
+        except TimeoutError:
+            raise SGLangStartError(
+                f"SGLang servers not healthy after {self._ready_timeout_s} s:\n"
+                + "\n".join(f"[engine {s.index}] {s.stderr_tail()}" for s in servers)
+            ) from None
+
+    async def start_all(self, num_engines: int) -> list[_Server]:
+        """Start engines 0..num_engines-1 together; return them once every one is healthy."""
+        servers = [await self._spawn(i) for i in range(num_engines)]
+        await self._ready(servers)
+        log.info("sglang servers ready", urls=[s.url for s in servers])
+        return servers
+
+    async def start(self, index: int) -> _Server:
+        """Start engine `index` again (after it died); return it once it is healthy."""
+        server = await self._spawn(index)
+        await self._ready([server])
+        return server
+
+
+@asynccontextmanager
+async def sglang_servers(
+    model_path: Path | str,
+    *,
+    gpus_per_engine: int = 1,
+    gpu_offset: int = 0,
+    host: str = "127.0.0.1",
+    extra_args: Sequence[str] = (),
+    ready_timeout_s: float = 900.0,
+    log_dir: Path | str = ".",
+    commands: Sequence[Sequence[str]] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> AsyncIterator[SGLangServers]:
+    """A launcher of SGLang servers; every server it started is taken down on exit (the whole group)."""
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    launcher = SGLangServers(
+        model_path,
+        gpus_per_engine=gpus_per_engine,
+        gpu_offset=gpu_offset,
+        host=host,
+        extra_args=extra_args,
+        ready_timeout_s=ready_timeout_s,
+        log_dir=log_dir,
+        commands=commands,
+        env=env,
+    )
+    try:
+        yield launcher
+    finally:  # even when cancelled: no orphan may keep a GPU
+        await finish_even_if_cancelled(_stop_all(launcher.servers))
+
+
 @asynccontextmanager
 async def launch_sglang_servers(
     model_path: Path | str,
@@ -101,47 +223,18 @@ async def launch_sglang_servers(
     """
     if num_engines < 1:
         raise ValueError(f"num_engines must be >= 1, got {num_engines}")
-    log_dir = Path(log_dir)
-    log_dir.mkdir(parents=True, exist_ok=True)
-    servers: list[_Server] = []
-    try:
-        for i in range(num_engines):
-            port = free_port(host)
-            if commands is not None:
-                cmd = list(commands[i])
-                port = int(cmd[cmd.index("--port") + 1])
-            else:
-                cmd = sglang_command(
-                    str(model_path), host=host, port=port, tp_size=gpus_per_engine, extra_args=extra_args
-                )
-            gpus = range(gpu_offset + i * gpus_per_engine, gpu_offset + (i + 1) * gpus_per_engine)
-            child_env = {**os.environ, **(env or {}), "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
-            log_path = log_dir / f"sglang-{i}.log"
-            with log_path.open("ab") as out:
-                proc = await asyncio.create_subprocess_exec(
-                    *die_with_parent(cmd),  # SIGTERM when this process dies, even by SIGKILL
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=asyncio.subprocess.STDOUT,
-                    env=child_env,
-                    start_new_session=True,  # its own process group: teardown reaches SGLang's children
-                )
-            servers.append(_Server(i, f"http://{host}:{port}", proc, log_path))
-        try:
-            async with (
-                httpx.AsyncClient(timeout=httpx.Timeout(10.0)) as client,
-                asyncio.timeout(ready_timeout_s),
-            ):
-                await asyncio.gather(*(_wait_healthy(client, s) for s in servers))
-        except TimeoutError:
-            raise SGLangStartError(
-                f"SGLang servers not healthy after {ready_timeout_s} s:\n"
-                + "\n".join(f"[engine {s.index}] {s.stderr_tail()}" for s in servers)
-            ) from None
-        log.info("sglang servers ready", urls=[s.url for s in servers])
-        yield [s.url for s in servers]
-    finally:
-        await finish_even_if_cancelled(_stop_all(servers))  # even when cancelled: no orphan may keep a GPU
+    async with sglang_servers(
+        model_path,
+        gpus_per_engine=gpus_per_engine,
+        gpu_offset=gpu_offset,
+        host=host,
+        extra_args=extra_args,
+        ready_timeout_s=ready_timeout_s,
+        log_dir=log_dir,
+        commands=commands,
+        env=env,
+    ) as launcher:
+        yield [s.url for s in await launcher.start_all(num_engines)]
 
 
 async def _wait_healthy(client: httpx.AsyncClient, server: _Server) -> None:

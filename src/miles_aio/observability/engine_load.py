@@ -4,7 +4,9 @@ From each engine's `/server_info` `internal_states` (summed over an engine's dat
   perf/engine/num_running_reqs, perf/engine/queue_len               totals over the engines
   perf/engine/<i>/num_running_reqs, perf/engine/<i>/queue_len       per engine
 From the router's `stats()`: perf/engine/latency_p50_s, perf/engine/latency_p99_s (seconds, over its
-recent requests), the same per engine (perf/engine/<i>/latency_p50_s, ..._p99_s), perf/engine/in_flight.
+recent requests), the same per engine (perf/engine/<i>/latency_p50_s, ..._p99_s), perf/engine/in_flight,
+perf/engine/active (engines in rotation), perf/engine/excluded and perf/engine/restarts (counts so far).
+Engines out of rotation (`router/engine<i>/healthy` 0: excluded, down, restarting) are not asked.
 
 Only an engine handle that has `clients` (each with `server_info()`) and `stats()` — the
 `EngineRouter` every recipe uses — reports; anything else (the fakes) gives no metric. An engine that
@@ -29,6 +31,9 @@ STAT_KEYS = {
     "router/latency_p50_s": "perf/engine/latency_p50_s",
     "router/latency_p99_s": "perf/engine/latency_p99_s",
     "router/in_flight": "perf/engine/in_flight",
+    "router/engines_healthy": "perf/engine/active",
+    "router/exclusions": "perf/engine/excluded",
+    "router/restarts": "perf/engine/restarts",
 }
 
 
@@ -73,19 +78,18 @@ async def engine_load_metrics(engine: object, *, timeout_s: float = 2.0) -> dict
     """`perf/engine/*` of `engine` now (empty if it does not report load)."""
     if not isinstance(engine, LoadReporting):
         return {}
-    async with asyncio.TaskGroup() as tg:
-        tasks = [
-            tg.create_task(_one(c, timeout_s), name=f"engine-load-{i}") for i, c in enumerate(engine.clients)
-        ]
+    stats = engine.stats()
+    asked = [(i, c) for i, c in enumerate(engine.clients) if stats.get(f"router/engine{i}/healthy", 1.0)]
+    async with asyncio.TaskGroup() as tg:  # a frozen engine must not hold every step for timeout_s
+        tasks = [(i, tg.create_task(_one(c, timeout_s), name=f"engine-load-{i}")) for i, c in asked]
     out: dict[str, float] = {}
-    answered = [(i, r) for i, t in enumerate(tasks) if (r := t.result()) is not None]
+    answered = [(i, r) for i, t in tasks if (r := t.result()) is not None]
     for i, (running, queued) in answered:
         out[f"perf/engine/{i}/num_running_reqs"] = running
         out[f"perf/engine/{i}/queue_len"] = queued
     if answered:
         out["perf/engine/num_running_reqs"] = sum(r for _, (r, _) in answered)
         out["perf/engine/queue_len"] = sum(q for _, (_, q) in answered)
-    stats = engine.stats()
     out |= {name: stats[key] for key, name in STAT_KEYS.items() if key in stats}
     for i in range(len(engine.clients)):
         if (p50 := stats.get(f"router/engine{i}/latency_p50_s")) is not None:

@@ -96,6 +96,11 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("rollout/truncated_ratio", "Fraction of trained samples cut by the length limit.", _BATCH),
     _m("rollout/samples", "Samples in the trained batch.", _BATCH),
     _m("rollout/tokens", "Response tokens in the trained batch.", _BATCH),
+    _m(
+        "rollout/model_token_ratio",
+        "Fraction of the trained batch's response tokens the model generated (loss_mask 1).",
+        _BATCH,
+    ),
     _m("rollout/train_staleness_mean", "Mean group staleness against the policy being trained.", _BATCH),
     _m("rollout/train_staleness_max", "Largest group staleness against the policy being trained.", _BATCH),
     _m(
@@ -139,6 +144,13 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("perf/engine/{i}/latency_p50_s", "Median generate latency of engine i's recent requests.", _LOAD),
     _m("perf/engine/{i}/latency_p99_s", "99th-percentile generate latency of engine i.", _LOAD),
     _m("perf/engine/in_flight", "Generate calls in flight in the router.", _LOAD),
+    _m("perf/engine/active", "Engines in rotation (taking requests and weight pushes) now.", _LOAD),
+    _m(
+        "perf/engine/excluded",
+        "Engine exclusions so far: a weight-push call failed or missed --engine-admin-timeout-s.",
+        _LOAD,
+    ),
+    _m("perf/engine/restarts", "Restarts so far of launched engines whose process died.", _LOAD),
     # -- the trainer ranks ----------------------------------------------------------------------------------
     _m("perf/trainer_tokens_per_s", "Tokens (prompt + response) per second inside the trainer ranks.", _RANK),
     _m("perf/trainer_step_s", "Seconds of the train command inside the trainer ranks.", _RANK),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, final
+from typing import TYPE_CHECKING, Any, Protocol, final
 
 import structlog
 
@@ -18,6 +18,9 @@ from miles_aio.inference.base import InferenceEngine, PauseMode
 from miles_aio.observability.trace import NullTracer, Tracer
 from miles_aio.rollout.limiter import Limiter
 from miles_aio.types import GenerateOutput
+
+if TYPE_CHECKING:
+    from miles_aio.rollout.agent.server import SessionServer
 
 __all__ = ["LimitedEngine", "RolloutContext", "Tokenizer"]
 
@@ -89,3 +92,5 @@ class RolloutContext:
     config: RunConfig
     log: structlog.typing.FilteringBoundLogger
     evaluation: bool = False
+    sessions: SessionServer | None = None
+    """The agent session endpoint (`miles_aio.rollout.agent`), with --custom-agent-function-path."""

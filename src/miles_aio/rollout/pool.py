@@ -10,7 +10,8 @@ Failures become statuses, not silent drops. An engine that stays unavailable aft
 retries (`EngineError`) makes the sample ABORTED (the buffer sends the group to the unused handler).
 An exception from user code follows `--rollout-failure-policy`: `fail` (default) cancels the group's
 other samples and propagates, failing the run loudly; `drop` and `retry` mark the sample FAILED with
-its traceback logged and in `metadata["error"]`, and the buffer drops or recycles the group.
+its traceback logged and in `metadata["error"]`, and the buffer drops or recycles the group. A
+`RolloutFailed` (an agent that raised, or gave no model turn) follows the same policy, logged as one line.
 
 User code that returns something unusable is treated exactly like user code that raised (an
 `InvalidSampleError` under the same policy): a returned object that is not a `Sample`, a sample still
@@ -35,11 +36,24 @@ from miles_aio.errors import EngineError
 from miles_aio.rollout.context import RolloutContext
 from miles_aio.types import Group, Sample, Status, scalar_reward
 
-__all__ = ["GenerateFn", "InvalidSampleError", "RewardFn", "RolloutPool", "sampling_params_from_config"]
+__all__ = [
+    "GenerateFn",
+    "InvalidSampleError",
+    "RewardFn",
+    "RolloutFailed",
+    "RolloutPool",
+    "sampling_params_from_config",
+]
 
 
 class InvalidSampleError(ValueError):
     """User code (generate, reward, --group-rm reward) returned something the trainer cannot use."""
+
+
+class RolloutFailed(Exception):
+    """A rollout failed for a reason its message says in one line (e.g. an agent raised: the cause is
+    chained). Same policy as an exception from user code, but logged as that one line; the traceback goes
+    to `metadata["error"]` only."""
 
 
 class GenerateFn(Protocol):
@@ -152,6 +166,13 @@ class RolloutPool:
             self.ctx.log.error(
                 "user code returned an invalid sample; sample failed", sample=sample.index, error=str(e)
             )
+            results[i] = [sample]
+        except RolloutFailed as e:
+            if self.ctx.config.rollout.rollout_failure_policy == "fail":
+                raise
+            sample.status = Status.FAILED
+            sample.metadata["error"] = traceback.format_exc()
+            self.ctx.log.error("rollout failed; sample failed", sample=sample.index, error=str(e))
             results[i] = [sample]
         except Exception:
             if self.ctx.config.rollout.rollout_failure_policy == "fail":

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,29 +104,32 @@ def warm_start(
     seed: int = 0,
     probe_size: int = 200,
     check_every: int = 50,
+    model_kwargs: Mapping[str, Any] | None = None,
+    append_eos: bool = True,
 ) -> dict[str, float]:
     """Build the tiny model and fine-tune it until its accuracy on a train probe reaches the target.
 
-    `render` turns a problem into a supervised example (EOS is appended), `solve` answers problems with
-    the model (default: greedy decoding). Writes an HF checkpoint to `out_dir` (loadable by transformers,
-    the embedded engine and SGLang) and returns what happened: steps, seconds, probe accuracy.
+    `render` turns a problem into a supervised example (EOS is appended unless `append_eos` is False: a
+    chat example ends with its own end-of-turn token), `solve` answers problems with the model (default:
+    greedy decoding); `model_kwargs` override `build_tiny_llama`'s arguments (e.g. `chat_tokens`, a longer
+    `max_position_embeddings`). Writes an HF checkpoint to `out_dir` (loadable by transformers, the
+    embedded engine and SGLang) and returns what happened: steps, seconds, probe accuracy.
     """
     import torch
 
     from miles_aio.models.tiny import build_tiny_llama, load_tokenizer
 
     torch.manual_seed(seed)
-    build_tiny_llama(
-        out_dir,
-        alphabet=alphabet,
-        hidden_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=512,
-        max_position_embeddings=32,
-        seed=seed,
-    )
+    shape: dict[str, Any] = {
+        "hidden_size": 128,
+        "num_layers": 2,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "intermediate_size": 512,
+        "max_position_embeddings": 32,
+        **(model_kwargs or {}),
+    }
+    build_tiny_llama(out_dir, alphabet=alphabet, seed=seed, **shape)
     from transformers import AutoModelForCausalLM
 
     tok = load_tokenizer(out_dir)
@@ -138,7 +141,8 @@ def warm_start(
     t0, acc, step = time.monotonic(), 0.0, 0
     for step in range(1, max_steps + 1):
         model.train()
-        ids, labels = sft_batch(tok, [render(p) for p in rng.sample(list(train), batch_size)])
+        examples = [render(p) for p in rng.sample(list(train), batch_size)]
+        ids, labels = sft_batch(tok, examples, append_eos=append_eos)
         loss = model(input_ids=ids, labels=labels).loss
         opt.zero_grad()
         loss.backward()
@@ -157,8 +161,9 @@ def accuracy(answers: Sequence[str], problems: Sequence[Problem]) -> float:
     return sum(parse_answer(a) == p.answer for a, p in zip(answers, problems, strict=True)) / len(problems)
 
 
-def sft_batch(tok: Any, examples: Sequence[list[Segment]]) -> tuple[Any, Any]:
-    """Token ids and labels (-100 where no loss is taken), right-padded; EOS ends every example."""
+def sft_batch(tok: Any, examples: Sequence[list[Segment]], *, append_eos: bool = True) -> tuple[Any, Any]:
+    """Token ids and labels (-100 where no loss is taken), right-padded; EOS ends every example unless
+    `append_eos` is False."""
     import torch
 
     rows = []
@@ -169,7 +174,7 @@ def sft_batch(tok: Any, examples: Sequence[list[Segment]]) -> tuple[Any, Any]:
             piece = tok.encode(text)
             ids += piece
             trained += [train_on] * len(piece)
-        rows.append(([*ids, tok.eos_token_id], [*trained, True]))
+        rows.append(([*ids, tok.eos_token_id], [*trained, True]) if append_eos else (ids, trained))
     width = max(len(ids) for ids, _ in rows)
     ids_t = torch.zeros((len(rows), width), dtype=torch.long)
     labels = torch.full((len(rows), width), -100, dtype=torch.long)

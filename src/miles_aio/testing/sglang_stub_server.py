@@ -141,6 +141,7 @@ class SGLangStubServer:
         r.add_route("*", "/flush_cache", self._flush_cache)
         r.add_post("/update_weights_from_disk", self._update_from_disk)
         r.add_post("/init_weights_update_group", self._ok)
+        r.add_post("/destroy_weights_update_group", self._ok)
         r.add_post("/update_weights_from_distributed", self._update_from_distributed)
         r.add_post("/update_weight_version", self._update_weight_version)
         r.add_get("/health", self._health)

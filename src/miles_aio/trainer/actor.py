@@ -9,12 +9,21 @@ Tasks (all in `open()`'s TaskGroup, so a failure cancels the caller's block and 
   listener      accepts rank connections; each must pass the HMAC handshake (`channel`).
   watch-<r>     waits for rank r's process to exit (never polls). An exit outside shutdown fails every
                 pending call; if the rank had no channel yet it raises, else its reader does.
+  heartbeat-<r> from init on: fails the run with `TrainerRankError` when rank r sends no frame for
+                --trainer-heartbeat-timeout-s (a thread in each rank beats every 1/6 of it, even during a
+                long step, so only a frozen rank — SIGSTOP, a hung host — goes silent).
   reader-<r>    reads rank r's frames: a reply resolves the oldest pending call of that rank (replies
                 come in command order), an `error` report fails every pending call with the rank's
                 traceback; EOF outside shutdown raises `TrainerRankError` (exit code included).
 Commands go out one at a time (`_lock`); a call waits for its replies or for the first rank failure.
 Every exit path (normal, error, cancellation) ends in `aclose()`: shutdown command, then SIGTERM, then
 SIGKILL, run to completion even when the caller is cancelled meanwhile. No child outlives the block.
+
+Spawned ranks run in their own session (process group), so a terminal's Ctrl-C or a scheduler's SIGTERM
+to the controller's group reaches only the controller: it finishes its step and saves, which needs live
+ranks, then takes them down itself. They still die with a SIGKILLed controller (`PR_SET_PDEATHSIG` in
+`rank_main`, and the channel's EOF). All of them are on this machine, so their torch.distributed
+rendezvous store listens on 127.0.0.1 only (`LOCAL_RENDEZVOUS_ENV`); torchrun's ranks keep their own.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import socket
 import sys
 from asyncio.subprocess import DEVNULL
@@ -36,13 +46,13 @@ import torch
 
 from miles_aio._aio import finish_even_if_cancelled
 from miles_aio.config import RunConfig
-from miles_aio.errors import ConfigError, MilesAioError
+from miles_aio.errors import ConfigError, EngineError, MilesAioError
 from miles_aio.inference.base import InferenceEngine
 from miles_aio.trainer import losses, protocol
 from miles_aio.trainer.channel import AsyncChannel, ChannelListener
 from miles_aio.trainer.config import TrainConfig, check_batch_arithmetic, with_run_lr_decay
 from miles_aio.trainer.protocol import Message
-from miles_aio.trainer.rank_main import CONTROLLER_ENV, PARENT_ENV, THREADS_ENV
+from miles_aio.trainer.rank_main import CONTROLLER_ENV, LOCAL_RENDEZVOUS_ENV, PARENT_ENV, THREADS_ENV
 from miles_aio.trainer.reward_post import RewardPostProcess
 from miles_aio.types import Group
 
@@ -51,6 +61,10 @@ __all__ = ["TrainerActor", "TrainerRankError"]
 log = structlog.get_logger("miles_aio.trainer")
 _TERM_GRACE_S: Final = 5.0
 _EXIT_REPORT_GRACE_S: Final = 5.0
+
+
+_WeightGroup = tuple[tuple[int, ...], str, list[list[str]], dict[str, tuple[str, list[int]]]]
+"""The weight-update group: (engine membership key, group name, buckets, name → (dtype, shape))."""
 
 
 class TrainerRankError(MilesAioError):
@@ -98,7 +112,12 @@ class TrainerActor:
         self._dp_of: dict[int, int] = {}
         self._dp_size = 1
         self._device = "cpu"
-        self._bcast: tuple[int, str, list[list[str]], dict[str, tuple[str, list[int]]]] | None = None
+        self._bcast: _WeightGroup | None = None
+        self.weight_group_timeout_s = cfg.dist_timeout_s
+        """How long rank 0 waits for the engines in the group's rendezvous and broadcasts (the run's
+        --engine-admin-timeout-s when the actor knows the run)."""
+        self._alive: dict[int, asyncio.Event] = {r: asyncio.Event() for r in range(self._world)}
+        """Set by every frame from a rank; the heartbeat watchdog clears it."""
         self.reward_post_process: RewardPostProcess | None = None  # --custom-reward-post-process-path
         self.wrapper = ""
         self.threads = 0  # torch threads of each rank (reported by rank 0)
@@ -143,6 +162,8 @@ class TrainerActor:
         local = e is not None and e.rollout_backend == "local" and not e.sglang_urls
         engine_threads = e.num_engines * e.engine_num_threads if e is not None and local else 0
         actor = cls(train_cfg, run_dir=run_dir, listener=listener, spawn=spawn, engine_threads=engine_threads)
+        if e is not None:
+            actor.weight_group_timeout_s = e.engine_admin_timeout_s
         actor.reward_post_process = RewardPostProcess.from_config(train_cfg, run_cfg)
         try:
             async with asyncio.TaskGroup() as tg:
@@ -179,6 +200,7 @@ class TrainerActor:
             CONTROLLER_ENV: f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
             protocol.SECRET_ENV: secret.hex(),
             PARENT_ENV: str(os.getpid()),
+            LOCAL_RENDEZVOUS_ENV: "1",  # every rank is ours, on this machine: a loopback-only store
             THREADS_ENV: str(threads),
             "OMP_NUM_THREADS": str(threads),
         }
@@ -187,7 +209,11 @@ class TrainerActor:
             # stdout goes to our stderr: the controller's stdout may be machine-read (benchmarks, JSON).
             cmd = (sys.executable, "-m", "miles_aio.trainer.rank_main")
             proc = await asyncio.create_subprocess_exec(
-                *cmd, env=env, stdin=DEVNULL, stdout=sys.stderr.fileno()
+                *cmd,
+                env=env,
+                stdin=DEVNULL,
+                stdout=sys.stderr.fileno(),
+                start_new_session=True,  # the terminal's / scheduler's group signals reach only us
             )
             self._procs[rank] = proc
             self._aux.append(self._tg.create_task(self._watch_exit(rank, proc), name=f"trainer-watch-{rank}"))
@@ -208,6 +234,12 @@ class TrainerActor:
             self._all_connected.set()
 
     async def _init_ranks(self) -> None:
+        if (timeout_s := self.cfg.trainer_heartbeat_timeout_s) > 0:  # the ranks beat from `init` on
+            assert self._tg is not None
+            for r in range(self._world):
+                self._aux.append(
+                    self._tg.create_task(self._watch_heartbeat(r, timeout_s), name=f"trainer-heartbeat-{r}")
+                )
         replies = await self._call("init", {"config": self.cfg.to_json()})
         self._dp_of = {r: int(m.header["dp_rank"]) for r, m in replies.items()}
         self._dp_size = int(replies[0].header["dp_size"])
@@ -264,6 +296,9 @@ class TrainerActor:
         try:
             while True:
                 msg = await chan.recv()
+                self._alive[rank].set()
+                if msg.op == "heartbeat":
+                    continue
                 if msg.op == "error":
                     h = msg.header
                     report = TrainerRankError(
@@ -291,6 +326,26 @@ class TrainerActor:
                 err = TrainerRankError(rank, what, returncode=rc)
             self._fail_pending(err)
             raise err from None
+
+    async def _watch_heartbeat(self, rank: int, timeout_s: float) -> None:
+        """Raise `TrainerRankError` if rank `rank` sends nothing (no heartbeat, no reply) for `timeout_s`."""
+        alive = self._alive[rank]
+        while True:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await alive.wait()
+            except TimeoutError:
+                if self._closing:
+                    return
+                err = TrainerRankError(
+                    rank,
+                    f"no heartbeat for {timeout_s:g}s (--trainer-heartbeat-timeout-s): the rank process is "
+                    "frozen (SIGSTOP?) or hung; failing the run instead of waiting for it",
+                )
+                log.error("trainer: rank stopped answering", rank=rank, timeout_s=timeout_s)
+                self._fail_pending(err)
+                raise err from None
+            alive.clear()
 
     def _fail_pending(self, err: TrainerRankError) -> None:
         if self._failure is None and err.rank >= 0:
@@ -381,37 +436,29 @@ class TrainerActor:
         return path
 
     async def _sync_broadcast(self, engine: Any, version: int) -> None:
-        """Rank 0 joins the engines' weight-update group once per engine handle, then per bucket of
-        ≤ --update-weight-buffer-size bytes: rank 0 broadcasts while the engines receive, concurrently."""
-        if self._bcast is None or self._bcast[0] != id(engine):
-            meta = (await self._call("weight_meta", ranks=[0]))[0].header
-            clients = list(getattr(engine, "clients", None) or [engine])
-            tps = [
-                int((await c.server_info()).get("tp_size", 1)) if hasattr(c, "server_info") else 1
-                for c in clients
-            ]
-            offsets = [1 + sum(tps[:i]) for i in range(len(tps))]
-            group = f"miles_aio_weights_{os.getpid()}_{version}"
-            init = {
-                "master_address": meta["master_address"],
-                "master_port": meta["master_port"],
-                "world_size": 1 + sum(tps),
-                "group_name": group,
-                "backend": "nccl" if self._device.startswith("cuda") else "gloo",
-            }
-            # A router takes every engine's first rank; a single client takes its own.
-            offset = {"rank_offsets": offsets} if hasattr(engine, "clients") else {"rank_offset": offsets[0]}
-            async with asyncio.TaskGroup() as tg:
-                tg.create_task(self._call("bcast_init", init, ranks=[0]))
-                tg.create_task(engine.init_weights_update_group(**init, **offset))
-            names, dtypes, shapes = meta["names"], meta["dtypes"], meta["shapes"]
-            info = {n: (d, s) for n, d, s in zip(names, dtypes, shapes, strict=True)}
-            buckets = protocol.weight_buckets(names, dtypes, shapes, self.cfg.update_weight_buffer_size)
-            self._bcast = (id(engine), group, buckets, info)
+        """Weights by torch.distributed broadcast from rank 0, per bucket of ≤ --update-weight-buffer-size
+        bytes (rank 0 sends while the engines receive, concurrently).
+
+        The group spans rank 0 and the engines of this push (a router's `push_clients()`); it is formed
+        again whenever that set changes (`membership_key()`: an engine excluded, restarted or rejoining).
+        If forming it or a broadcast fails (an engine died or froze mid-collective, or left the push),
+        this push goes by disk to the engines still in it, and the next push forms a new group."""
+        router = hasattr(engine, "push_clients")
+        clients = list(engine.push_clients()) if router else [engine]
+        key = self._membership(engine) if router else (id(engine),)
+        if not clients:
+            log.warning("trainer: no engine in this push: nothing to broadcast", version=version)
+            return
+        if self._bcast is None or self._bcast[0] != key:
+            failed = await self._form_weight_group(engine, clients, key, version)
+            if failed is not None:
+                await self._sync_by_disk_instead(engine, version, failed)
+                return
+        assert self._bcast is not None
         _, group, buckets, info = self._bcast
         for names in buckets:
             async with asyncio.TaskGroup() as tg:
-                tg.create_task(self._call("bcast_bucket", {"names": names}))
+                sent = tg.create_task(self._call("bcast_bucket", {"names": names}))
                 tg.create_task(
                     engine.update_weights_from_distributed(
                         names=names,
@@ -421,6 +468,75 @@ class TrainerActor:
                         group_name=group,
                     )
                 )
+            failed = sent.result()[0].header.get("failed")
+            if failed is None and router and self._membership(engine) != key:
+                failed = "an engine left the push during the broadcast"
+            if failed is not None:
+                await self._sync_by_disk_instead(engine, version, str(failed))
+                return
+
+    def _membership(self, engine: Any) -> tuple[int, ...]:
+        return (id(engine), *(x for m in engine.membership_key() for x in m))
+
+    async def _form_weight_group(
+        self, engine: Any, clients: list[Any], key: tuple[int, ...], version: int
+    ) -> str | None:
+        """Drop the old weight-update group (rank 0 and the engines still in it), form one over `clients`;
+        returns why it failed, or None."""
+        router = hasattr(engine, "push_clients")
+        old, self._bcast = self._bcast, None
+        if old is not None:
+            await self._call("bcast_destroy", ranks=[0])
+            if router:
+                before = set(zip(old[0][1::2], old[0][2::2], strict=True))  # (engine, epoch) in the old group
+                now = list(zip(key[1::2], key[2::2], strict=True))
+                kept = [c for m, c in zip(now, clients, strict=True) if m in before]
+                await engine.destroy_weights_update_group(old[1], clients=kept)
+        meta = (await self._call("weight_meta", ranks=[0]))[0].header
+        try:
+            async with asyncio.timeout(self.weight_group_timeout_s):
+                tps = [
+                    int((await c.server_info()).get("tp_size", 1)) if hasattr(c, "server_info") else 1
+                    for c in clients
+                ]
+        except (EngineError, TimeoutError) as exc:
+            return f"server_info: {exc or 'timed out'}"
+        offsets = [1 + sum(tps[:i]) for i in range(len(tps))]
+        group = f"miles_aio_weights_{os.getpid()}_{version}"
+        init = {
+            "master_address": meta["master_address"],
+            "master_port": meta["master_port"],
+            "world_size": 1 + sum(tps),
+            "group_name": group,
+            "backend": "nccl" if self._device.startswith("cuda") else "gloo",
+        }
+        # A router takes each client's first rank; a single client takes its own.
+        offset: dict[str, Any] = (
+            {"rank_offsets": offsets, "clients": clients} if router else {"rank_offset": offsets[0]}
+        )
+        async with asyncio.TaskGroup() as tg:
+            joined = tg.create_task(
+                self._call("bcast_init", {**init, "timeout_s": self.weight_group_timeout_s}, ranks=[0])
+            )
+            tg.create_task(engine.init_weights_update_group(**init, **offset))
+        if (failed := joined.result()[0].header.get("failed")) is not None:
+            return str(failed)
+        if router and self._membership(engine) != key:
+            return "an engine left the push while the group formed"
+        names, dtypes, shapes = meta["names"], meta["dtypes"], meta["shapes"]
+        info = {n: (d, s) for n, d, s in zip(names, dtypes, shapes, strict=True)}
+        buckets = protocol.weight_buckets(names, dtypes, shapes, self.cfg.update_weight_buffer_size)
+        self._bcast = (key, group, buckets, info)
+        log.info("trainer: weight-update group formed", group=group, engines=len(clients), world=1 + sum(tps))
+        return None
+
+    async def _sync_by_disk_instead(self, engine: Any, version: int, why: str) -> None:
+        """The broadcast failed: drop the group; this push's engines load the weights from disk."""
+        log.warning("trainer: weight broadcast failed; this push goes by disk", version=version, error=why)
+        self._bcast = None
+        await self._call("bcast_destroy", ranks=[0])
+        path = await self.write_weights(version)
+        await engine.update_weights_from_disk(str(path), version=version)
 
     async def save(self, step: int, directory: Path) -> None:
         await self._call("save", {"step": step, "directory": str(directory)})
@@ -466,15 +582,19 @@ class TrainerActor:
 async def _terminate(rank: int, proc: asyncio.subprocess.Process) -> None:
     if proc.returncode is not None:
         return
-    with contextlib.suppress(ProcessLookupError):
-        proc.terminate()
+    _signal_group(proc, signal.SIGTERM)
     try:
         await asyncio.wait_for(proc.wait(), _TERM_GRACE_S)
     except TimeoutError:
         log.warning("trainer: rank ignored SIGTERM, killing it", rank=rank, pid=proc.pid)
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
+        _signal_group(proc, signal.SIGKILL)
         await proc.wait()
+
+
+def _signal_group(proc: asyncio.subprocess.Process, sig: signal.Signals) -> None:
+    """A spawned rank leads its own process group: signal all of it (anything the rank started too)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
 
 
 def _free_port() -> int:

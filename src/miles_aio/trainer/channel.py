@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
@@ -146,12 +147,18 @@ class ChannelListener:
 
 
 class BlockingChannel:
-    """Rank end of the channel (blocking socket I/O; one thread)."""
+    """Rank end of the channel (blocking socket I/O): one thread receives; sends may come from two (the
+    command loop and the heartbeat thread), so a frame is sent whole under a lock."""
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
+        self._send_lock = threading.Lock()
 
     def send(self, header: Mapping[str, Any], tensors: Mapping[str, torch.Tensor] | None = None) -> None:
+        with self._send_lock:
+            self._send(header, tensors)
+
+    def _send(self, header: Mapping[str, Any], tensors: Mapping[str, torch.Tensor] | None) -> None:
         pending = bytearray()
         for chunk in protocol.encode_frame(header, tensors):
             if len(chunk) < _SMALL:

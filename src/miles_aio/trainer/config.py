@@ -75,6 +75,11 @@ class TrainConfig:
     trainer_port: int = opt(0, "Port the controller listens on for trainer ranks (0: any free port).")
     trainer_connect_timeout_s: float = opt(600.0, "How long to wait for every rank to connect and load.")
     dist_timeout_s: float = opt(600.0, "torch.distributed collective timeout inside the trainer ranks.")
+    trainer_heartbeat_timeout_s: float = opt(
+        60.0,
+        "Fail the run when a trainer rank sends no heartbeat for this long (frozen or hung; a thread in each "
+        "rank beats every 1/6 of it, also during a long step); 0: off.",
+    )
     trainer_num_threads: int = opt(
         0,
         "torch threads per CPU trainer rank (0: the cores the embedded engines leave free, split over the "
@@ -233,6 +238,7 @@ class TrainConfig:
             "kl_loss_coef",
             "entropy_coef",
             "tis_clip_low",
+            "trainer_heartbeat_timeout_s",
             "opsm_delta",
             "kl_coef",
             "min_lr",

@@ -16,8 +16,9 @@ a JSON object; its `"tensors"` entry lists `[name, dtype, shape, offset, nbytes]
 the blob (little-endian, C order, each 64-byte aligned). No pickle anywhere: decoding never runs code.
 
 Messages (`header["op"]`): controller → rank: init, train, logprobs, get_weights, weight_meta,
-save_hf, bcast_init, bcast_bucket, save, load, export_hf, shutdown. Rank → controller: ok (a reply, with
-results) or error (type, message, traceback; the rank exits non-zero right after).
+save_hf, bcast_init, bcast_bucket, bcast_destroy, save, load, export_hf, shutdown. Rank → controller: ok
+(a reply, with results), heartbeat (no reply to anything: the rank is alive), or error (type, message,
+traceback; the rank exits non-zero right after).
 
 Files: weights are HF directories (config/tokenizer copied from the initial checkpoint +
 `model.safetensors`, HF names), written to a temporary sibling and renamed. Optimizer state is
@@ -42,6 +43,7 @@ from typing import Any, Final
 import torch
 from safetensors.torch import load_file, save_file
 
+from miles_aio._durable import fsync_dir, fsync_path
 from miles_aio.trainer.losses import TrainRow
 
 __all__ = [
@@ -264,9 +266,12 @@ _WEIGHT_FILES: Final = (".safetensors", ".bin", ".pt", ".pth")
 _WEIGHT_INDEXES: Final = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
-def write_hf_dir(tensors: Mapping[str, torch.Tensor], out: Path, *, source: Path) -> None:
+def write_hf_dir(
+    tensors: Mapping[str, torch.Tensor], out: Path, *, source: Path, durable: bool = False
+) -> None:
     """An HF model directory at `out`: `source`'s config/tokenizer files + `model.safetensors`, written
-    to a temporary sibling and renamed, so a reader (an engine) never sees a half-written snapshot."""
+    to a temporary sibling and renamed, so a reader (an engine) never sees a half-written snapshot.
+    `durable` (a checkpoint's model) fsyncs every file and the renames, so that it survives a crash."""
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -276,9 +281,15 @@ def write_hf_dir(tensors: Mapping[str, torch.Tensor], out: Path, *, source: Path
     contiguous = {k: v.detach().contiguous() for k, v in tensors.items()}
     # transformers refuses safetensors files without the "format" marker
     save_file(contiguous, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    if durable:
+        for f in tmp.iterdir():
+            fsync_path(f)
+        fsync_dir(tmp)
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
+    if durable:
+        fsync_dir(out.parent)
 
 
 def remove_hf_dir(out: Path) -> None:

@@ -6,13 +6,21 @@ rendezvous from MASTER_ADDR/MASTER_PORT, as torchrun sets them), proves the secr
 block on the next command → run it (collectives with the other ranks inside) → reply `ok` with results.
 
 Consumes: `init` (the TrainConfig) once, then train / logprobs / get_weights / weight_meta / save_hf /
-bcast_init / bcast_bucket / save / load / export_hf, and `shutdown`. Produces: one reply per command
-(rank 0's carry the results the controller uses; every rank replies so the controller knows all are
-done). Waits for: the controller's next frame, and the other ranks inside collectives.
+bcast_init / bcast_bucket / bcast_destroy / save / load / export_hf, and `shutdown`. Produces: one reply
+per command (rank 0's carry the results the controller uses; every rank replies so the controller knows
+all are done), and from `init` on a `heartbeat` frame every --trainer-heartbeat-timeout-s / 6 from a
+thread of its own, even inside a long command. Waits for: the controller's next frame, and the other
+ranks inside collectives.
 
 Failure: any exception is sent to the controller as `{"op": "error", traceback}` and the process exits
 1; EOF from the controller (it died) exits 3; if spawned by the actor, the rank also dies with it
 (PR_SET_PDEATHSIG), so no rank outlives a killed controller.
+
+Rendezvous: ranks the actor spawned (all on this machine; it sets `MILES_AIO_LOCAL_RENDEZVOUS=1` and a
+loopback MASTER_ADDR) build the default group on a TCPStore whose listening socket rank 0 binds to
+MASTER_ADDR itself: torch's own store listens on every interface, and a store takes unauthenticated
+writes. Gloo's pair sockets follow (`GLOO_SOCKET_IFNAME=lo` unless set). torchrun's ranks (multi-node)
+rendezvous as torch does, at their explicit MASTER_ADDR.
 """
 
 from __future__ import annotations
@@ -26,8 +34,10 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -35,7 +45,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
+from torch._C._distributed_c10d import TCPStore  # torch.distributed re-exports it, untyped
 
+from miles_aio._durable import fsync_dir, fsync_path, write_file_atomic
 from miles_aio.trainer import losses, protocol
 from miles_aio.trainer.backend import HFBackend, ModelBackend
 from miles_aio.trainer.channel import BlockingChannel, connect
@@ -47,6 +59,8 @@ __all__ = ["RankWorker", "main"]
 CONTROLLER_ENV = "MILES_AIO_CONTROLLER_ADDR"
 PARENT_ENV = "MILES_AIO_PARENT_PID"
 THREADS_ENV = "MILES_AIO_RANK_THREADS"
+LOCAL_RENDEZVOUS_ENV = "MILES_AIO_LOCAL_RENDEZVOUS"
+_LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 Reply = tuple[dict[str, Any], dict[str, torch.Tensor]]
 """A command's reply: header fields and tensors."""
 
@@ -61,12 +75,13 @@ class RankWorker:
             torch.cuda.set_device(local_rank)
         self.device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
         if not dist.is_initialized():
-            dist.init_process_group(
-                "nccl" if cuda else "gloo",
-                rank=rank,
-                world_size=world,
-                timeout=timedelta(seconds=cfg.dist_timeout_s),
-            )
+            backend, timeout = "nccl" if cuda else "gloo", timedelta(seconds=cfg.dist_timeout_s)
+            if loopback_rendezvous(os.environ):
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's pair listeners: loopback too
+                store = _loopback_store(rank, world, timeout)
+                dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+            else:
+                dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
         torch.manual_seed(cfg.seed)
         self.backend: ModelBackend
         if cfg.train_backend == "megatron":
@@ -270,14 +285,22 @@ class RankWorker:
             "master_port": port,
         }, {}
 
+    # A failed rendezvous or broadcast of the weight-update group is the engines' failure (one died or froze
+    # mid-collective), not this rank's: rank 0 drops the group and replies `failed`, the controller
+    # sends that push by disk instead and forms a new group with the engines present at the next one.
     def op_bcast_init(self, msg: Message) -> Reply:
         if self.rank == 0:
             from miles_aio.weight_broadcast import init_custom_process_group
 
+            self._drop_weight_group()
             keys = ("backend", "master_address", "master_port", "world_size", "group_name")
-            self.weight_group = init_custom_process_group(
-                **{k: msg.header[k] for k in keys}, rank=0, timeout=timedelta(seconds=self.cfg.dist_timeout_s)
-            )
+            timeout = timedelta(seconds=float(msg.header.get("timeout_s", self.cfg.dist_timeout_s)))
+            try:
+                self.weight_group = init_custom_process_group(
+                    **{k: msg.header[k] for k in keys}, rank=0, timeout=timeout
+                )
+            except Exception as exc:  # the engines did not all join: reported, the rank lives on
+                return {"failed": f"{type(exc).__name__}: {exc}"}, {}
         return {}, {}
 
     def op_bcast_bucket(self, msg: Message) -> Reply:
@@ -287,10 +310,27 @@ class RankWorker:
             from miles_aio.weight_broadcast import broadcast_weights
 
             if self.weight_group is None:
-                raise RuntimeError("bcast_bucket before bcast_init")
+                return {"failed": "no weight-update group (its rendezvous or a broadcast failed)"}, {}
             dev = "cuda" if self.device.type == "cuda" else "cpu"  # nccl broadcasts from GPU memory
-            broadcast_weights(((n, tensors[n].to(dev)) for n in names), group=self.weight_group)
+            try:
+                broadcast_weights(((n, tensors[n].to(dev)) for n in names), group=self.weight_group)
+            except Exception as exc:  # an engine left the collective: reported, the rank lives on
+                self._drop_weight_group()
+                return {"failed": f"{type(exc).__name__}: {exc}"}, {}
         return {}, {}
+
+    def op_bcast_destroy(self, msg: Message) -> Reply:
+        """Leave the weight-update group (the set of engines changed: a new one is formed)."""
+        self._drop_weight_group()
+        return {}, {}
+
+    def _drop_weight_group(self) -> None:
+        group, self.weight_group = self.weight_group, None
+        if group is not None:
+            try:
+                dist.destroy_process_group(group)
+            except Exception as exc:  # a broken group may not tear down cleanly; it is unused from here on
+                sys.stderr.write(f"rank {self.rank}: dropping the weight-update group: {exc!r}\n")
 
     # -- checkpoints --------------------------------------------------------------------------------------
     def op_save(self, msg: Message) -> Reply:
@@ -302,14 +342,20 @@ class RankWorker:
         rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state()
-        save_file(rng, str(d / f"rng_rank{self.rank}.safetensors"))
+        written = [d / f"rng_rank{self.rank}.safetensors"]
+        save_file(rng, str(written[0]))
         if self._optim_sharded or self.rank == 0:
-            protocol.save_optim_state(optim, self._optim_stem(d))
+            stem = self._optim_stem(d)
+            protocol.save_optim_state(optim, stem)
+            written += [stem.with_suffix(".safetensors"), stem.with_suffix(".json")]
+        for f in written:
+            fsync_path(f)
         if self.rank == 0:
-            protocol.write_hf_dir(tensors, d / "model", source=self.backend.hf_source)
+            protocol.write_hf_dir(tensors, d / "model", source=self.backend.hf_source, durable=True)
             meta = {"step": msg.header["step"], "optimizer_steps": self.optimizer_steps}
-            (d / "trainer_state.json").write_text(json.dumps(meta))
-        dist.barrier()  # every rank's files are written when the reply arrives
+            write_file_atomic(d / "trainer_state.json", json.dumps(meta).encode())
+        fsync_dir(d)
+        dist.barrier()  # every rank's files are written and fsynced when the reply arrives
         return {}, {}
 
     def op_load(self, msg: Message) -> Reply:
@@ -345,6 +391,22 @@ class RankWorker:
         return {}, {}
 
 
+def loopback_rendezvous(env: Mapping[str, str]) -> bool:
+    """Whether this rank's default-group store must listen on loopback only: the actor spawned every
+    rank on this machine (it says so) and gave a loopback MASTER_ADDR. Anything else (torchrun, an
+    explicit address) rendezvouses as torch does."""
+    return env.get(LOCAL_RENDEZVOUS_ENV) == "1" and env.get("MASTER_ADDR", "") in _LOOPBACK
+
+
+def _loopback_store(rank: int, world: int, timeout: timedelta) -> TCPStore:
+    """The default group's TCPStore at MASTER_ADDR:MASTER_PORT, its server (rank 0) listening on that
+    address alone (`weight_broadcast.loopback_store`, which the weight-update group uses too)."""
+    from miles_aio.weight_broadcast import loopback_store
+
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    return loopback_store(host, port, world, is_master=rank == 0, timeout=timeout)
+
+
 def _my_address() -> str:
     """This host's address as the engines should dial it (loopback when everything is local)."""
     if os.environ.get("MASTER_ADDR", "127.0.0.1") in ("127.0.0.1", "localhost"):
@@ -363,6 +425,25 @@ def _die_with_parent() -> None:
         os._exit(3)
 
 
+def _start_heartbeat(chan: BlockingChannel, timeout_s: float) -> None:
+    """A daemon thread sends `{"op": "heartbeat"}` every timeout/6 s, whatever the command loop is doing
+    (torch releases the GIL in its kernels and collectives), so the controller tells a busy rank from a
+    frozen one (SIGSTOP stops every thread). It ends with the channel. timeout 0: no heartbeat."""
+    if timeout_s <= 0:
+        return
+    interval = timeout_s / 6
+
+    def beat() -> None:
+        while True:
+            time.sleep(interval)  # a thread of its own: sleeping is all it does
+            try:
+                chan.send({"op": "heartbeat"})
+            except OSError:  # the channel closed (shutdown, controller gone): nothing left to tell
+                return
+
+    threading.Thread(target=beat, name="trainer-heartbeat", daemon=True).start()
+
+
 def _serve(chan: BlockingChannel, rank: int, world: int) -> int:
     worker: RankWorker | None = None
     while True:
@@ -372,9 +453,9 @@ def _serve(chan: BlockingChannel, rank: int, world: int) -> int:
             return 0
         if msg.op == "init":
             local_rank = int(os.environ.get("LOCAL_RANK", rank))
-            worker = RankWorker(
-                TrainConfig.from_json(msg.header["config"]), rank=rank, world=world, local_rank=local_rank
-            )
+            cfg = TrainConfig.from_json(msg.header["config"])
+            _start_heartbeat(chan, cfg.trainer_heartbeat_timeout_s)  # before the (long) model load
+            worker = RankWorker(cfg, rank=rank, world=world, local_rank=local_rank)
             chan.send({"op": "ok", **worker.info()})
             continue
         if worker is None:
