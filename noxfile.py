@@ -63,9 +63,9 @@ def docs(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def bench(session: nox.Session) -> None:
-    """Run the benchmarks, write their JSON under bench-results/, regenerate docs/benchmarks.md (~15 min)."""
+    """Run the benchmarks, write their JSON under bench-results/, regenerate docs/benchmarks.md (~18 min)."""
     install_project(session, "test")
-    for name in ("pipeline", "client", "engine", "weight_sync", "soak"):
+    for name in ("pipeline", "client", "engine", "weight_sync", "soak", "agent_sessions"):
         session.run("python", "-m", f"benchmarks.{name}", "--output", f"bench-results/{name}.json")
     simulate = ("python", "-m", "benchmarks.simulate", "--validate")
     session.run(*simulate, "--output", "bench-results/simulate.json")

@@ -12,8 +12,9 @@ import pytest
 from miles_aio.ledger import check_conservation, read_ledger
 from miles_aio.models.tiny import build_tiny_llama
 from miles_aio.observability.registry import unknown_metrics
+from miles_aio.tasks.arithmetic import make_splits, write_jsonl
 
-RECIPES = ["simulated", "quickstart", "tool_use", "gsm8k_qwen3", "smollm2_math"]
+RECIPES = ["simulated", "quickstart", "tool_use", "agent_calculator", "gsm8k_qwen3", "smollm2_math"]
 FULLY_ASYNC = [
     "queue_size",
     "aborted_groups_filtered",
@@ -170,3 +171,47 @@ def test_tool_use_trains_two_steps(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
+
+
+HOOKS = "tests.recipes.agent_hooks"  # they write the trained and evaluated samples to the run dir
+
+
+@pytest.mark.timeout(180)
+def test_agent_calculator_trains_on_the_agents_sessions(tmp_path: Path) -> None:
+    """The openai-client agent through the session endpoint, end to end: a short warm start that teaches
+    tool calls, two GRPO steps, eval through the same agent. Every trained sample is a session's
+    trajectory: the model's replies at loss mask 1, the tool's answers and the template's glue at 0."""
+    run_dir = tmp_path / "run"
+    held_out = write_jsonl(make_splits()[1][:4], tmp_path / "held_out.jsonl")
+    proc = run(
+        "recipes.agent_calculator",
+        *("--num-rollout", "2", "--run-dir", str(run_dir), "--rollout-batch-size", "4"),
+        *("--global-batch-size", "32", "--micro-batch-size", "32"),
+        # 50 warm-start steps, no probe; taught to start a call, sampled cooler: tool calls for sure
+        *("--warm-start-accuracy", "0", "--warm-start-check-every", "50", "--warm-start-call-share", "0.75"),
+        *("--rollout-temperature", "0.5", "--eval-prompt-data", "held_out", str(held_out)),
+        *("--eval-interval", "2", "--custom-rollout-log-function-path", f"{HOOKS}:log_rollout_data"),
+        *("--custom-eval-rollout-log-function-path", f"{HOOKS}:log_eval_rollout_data"),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(0.0 < r["rollout/model_token_ratio"] < 1.0 for r in rows)
+    assert unknown_metrics({k for r in rows for k in r}) == []
+    trained = [json.loads(x) for x in (run_dir / "trained_samples.jsonl").read_text().splitlines()]
+    assert len(trained) == 2 * 4 * 8
+    for s in trained:
+        session = s["session"]
+        assert session["requests"] >= 1 and session["rollbacks"] == 0  # the agent called its endpoint
+        assert sum(s["loss_mask"]) == session["model_tokens"] > 0
+        assert len(s["loss_mask"]) - sum(s["loss_mask"]) == session["context_tokens"]
+    called = [s for s in trained if s["agent"]["tool_calls"]]
+    assert called  # and then the model answered the tool's message: a second turn, context in between
+    assert all(s["session"]["turns"] >= 2 and 0 in s["loss_mask"] and 1 in s["loss_mask"] for s in called)
+    model_tokens = sum(r["rollout/model_token_ratio"] * r["rollout/tokens"] for r in rows)
+    assert model_tokens == pytest.approx(sum(sum(s["loss_mask"]) for s in trained))
+    evals = [json.loads(x) for x in (run_dir / "eval_samples_held_out.jsonl").read_text().splitlines()]
+    assert sorted({e["step"] for e in evals}) == [0, 2] and len(evals) == 2 * 4
+    assert all(e["session"]["requests"] >= 1 for e in evals)  # eval goes through the same agent
+    assert [r["eval/step"] for r in rows if "eval/step" in r] == [0, 2]
+    check_conservation(read_ledger(run_dir / "ledger.jsonl"))

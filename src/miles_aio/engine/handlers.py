@@ -7,7 +7,6 @@ SGLang's shape; `BadRequest` raised anywhere becomes a 400 in the server's error
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shlex
 import sys
@@ -15,6 +14,7 @@ import time
 import uuid
 from typing import Any, Final
 
+import msgspec
 from aiohttp import web
 
 from miles_aio import __version__
@@ -56,7 +56,7 @@ class GenerationHandlers:
         if failed := [r for r in reqs if r.error is not None]:
             return web.json_response({"error": {"message": failed[0].error}}, status=500)
         out = [self._response(r, req, item) for r, item in zip(reqs, req.items, strict=True)]
-        return web.json_response(out if req.batch else out[0])
+        return _json(out if req.batch else out[0])
 
     async def _warm_prefixes(self, reqs: list[Request]) -> None:
         """Before n > 1 samples of a prompt, prefill it once so every sample starts from its cached KV
@@ -111,7 +111,7 @@ class GenerationHandlers:
                     out["index"] = index
                 if r.error is not None:
                     out = {"error": {"message": r.error, "type": "internal_error", "code": 500}}
-                await chunks.put(b"data: " + json.dumps(out).encode() + b"\n\n")
+                await chunks.put(b"data: " + msgspec.json.encode(out) + b"\n\n")
 
         async def pump_all() -> None:
             async with asyncio.TaskGroup() as tg:
@@ -336,3 +336,9 @@ def _version_spans(versions: list[str], *, current: str) -> list[dict[str, Any]]
         else:
             spans.append({"version": v, "start": i, "end": i + 1})
     return spans
+
+
+def _json(body: object) -> web.Response:
+    """A JSON answer encoded by msgspec: several times faster than `json.dumps` for /generate's long
+    token and logprob lists, which the event loop encodes between engine steps."""
+    return web.Response(body=msgspec.json.encode(body), content_type="application/json")

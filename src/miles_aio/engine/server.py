@@ -54,6 +54,8 @@ __all__ = ["ServerConfig", "build_app", "serve"]
 _log = structlog.get_logger(__name__)
 _OPEN_PATHS: Final = ("/health", "/ready", "/metrics")  # exempt from the API key, as in SGLang
 _SHUTDOWN_TIMEOUT_S: Final = 5.0
+_LISTEN_BACKLOG: Final = 4096
+"""Pending connections the listening socket queues (aiohttp's 128 drops connects under a burst)."""
 FAULT_TOKEN_ENV: Final = "MILES_AIO_ENGINE_FAULT_TOKEN"
 """Fault injection for tests: every forward step that feeds this token id raises (see `ModelRunner`)."""
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -114,7 +116,7 @@ async def serve(cfg: ServerConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        site = web.TCPSite(app_runner, cfg.host, cfg.port)
+        site = web.TCPSite(app_runner, cfg.host, cfg.port, backlog=_LISTEN_BACKLOG)  # many clients at once
         await site.start()
         state.port = app_runner.addresses[0][1]
         async with asyncio.TaskGroup() as tg:

@@ -66,6 +66,8 @@ if TYPE_CHECKING:
 __all__ = ["SessionServer"]
 
 _log = structlog.get_logger("miles_aio.rollout.agent")
+_LISTEN_BACKLOG: Final = 4096
+"""Pending connections the listening socket queues (aiohttp's 128 drops connects under a burst)."""
 _SHUTDOWN_TIMEOUT_S: Final = 1.0
 AbortHook = Callable[[Any], Any]
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -125,7 +127,9 @@ class SessionServer:
         )
         await runner.setup()
         try:
-            site = web.TCPSite(runner, self.host, self.port)
+            # Every rollout's agent opens connections of its own, hundreds at once at a step's start:
+            # aiohttp's default listen backlog (128) drops connects and stalls them for seconds.
+            site = web.TCPSite(runner, self.host, self.port, backlog=_LISTEN_BACKLOG)
             await site.start()
             self.port = int(runner.addresses[0][1])
             self.root_url = f"http://{_url_host(self.host)}:{self.port}"
