@@ -46,3 +46,23 @@ def test_the_engine_imports_only_neutral_modules() -> None:
 def test_chat_template_imports_nothing_of_miles_aio_and_the_session_server_uses_it() -> None:
     assert miles_imports(SRC / "chat_template.py") == set()
     assert "miles_aio.chat_template" in miles_imports(SRC / "rollout" / "agent" / "server.py")
+
+
+def test_the_trainer_does_not_import_the_engine_and_the_client_side_only_its_cli() -> None:
+    """The engine is a program of its own: the trainer reaches it only through the neutral broadcast
+    protocol, the launchers only through its command line (`miles_aio.engine.cli`, no torch)."""
+    trainer = {
+        f"{path.name}: {name}"
+        for path in (SRC / "trainer").glob("*.py")
+        for name in miles_imports(path)
+        if name.startswith("miles_aio.engine")
+    }
+    assert not trainer
+    client_side = {
+        name
+        for path in (SRC / "inference").glob("*.py")
+        for name in miles_imports(path)
+        if name.startswith("miles_aio.engine")
+    }
+    assert client_side <= {"miles_aio.engine.cli"}
+    assert any("miles_aio.weight_broadcast" in miles_imports(p) for p in (SRC / "trainer").glob("*.py"))
