@@ -96,6 +96,10 @@ _DEFAULT_ONLY: Final[dict[str, object]] = {
 }  # fmt: skip
 
 
+class _ClientGone(Exception):
+    """The streaming client closed its connection."""
+
+
 class OpenAIError(Exception):
     """An error answered in SGLang's `ErrorResponse` shape."""
 
@@ -762,35 +766,45 @@ class OpenAIHandlers:
             finally:
                 queue.put_nowait(None)
 
-        tasks = [asyncio.create_task(pump(c), name=f"openai-stream-{c.req.rid}") for c in choices]
+        async def write_all() -> None:
+            """Write each choice's chunks as its pump queues them, then usage and [DONE]."""
+            try:
+                for _ in choices:
+                    while (item := await queue.get()) is not None:
+                        await resp.write(item)
+                if job.include_usage:
+                    usage = self._response_usage(job, choices)
+                    if obj == "text_completion":  # SGLang dumps this one with exclude_none
+                        usage = {k: v for k, v in usage.items() if v is not None}
+                    chunk = {"id": rid, "object": obj, "created": created, "model": job.model, "choices": []}
+                    await resp.write(_sse(chunk | {"usage": usage}))
+                await resp.write(_SSE_DONE)
+            except ConnectionResetError:
+                raise _ClientGone from None
+
+        failure: BaseException | None = None
         try:
-            for _ in choices:
-                while (item := await queue.get()) is not None:
-                    await resp.write(item)
-            for t in tasks:  # every pump has finished: surface a bug in one of them
-                if not t.cancelled() and (exc := t.exception()) is not None:
-                    raise exc
-            if job.include_usage:
-                usage = self._response_usage(job, choices)
-                if obj == "text_completion":  # SGLang dumps this one with exclude_none
-                    usage = {k: v for k, v in usage.items() if v is not None}
-                chunk = {"id": rid, "object": obj, "created": created, "model": job.model, "choices": []}
-                await resp.write(_sse(chunk | {"usage": usage}))
-            await resp.write(_SSE_DONE)
-        except ConnectionResetError:
-            return resp  # the client left; the finally below aborts what still runs
-        except Exception as exc:  # a bug while streaming: tell the client in-band, as SGLang does
-            _log.exception("engine.openai_stream_failed", path=request.path)
-            err = OpenAIError(f"Internal server error: {exc}", status=500, err_type="InternalServerError")
+            # The pumps and the writer share one TaskGroup: a client that leaves (or a cancelled handler)
+            # cancels the pumps, and each pump's stream aborts its request.
+            async with asyncio.TaskGroup() as tg:
+                for c in choices:
+                    tg.create_task(pump(c), name=f"openai-stream-{c.req.rid}")
+                await write_all()
+        except* _ClientGone:
+            failure = _ClientGone()
+        except* Exception as group:  # a bug while streaming: told to the client in-band below
+            failure = group.exceptions[0]
+        if isinstance(failure, _ClientGone):
+            return resp
+        if failure is not None:  # as SGLang does: an error chunk, then [DONE]
+            _log.error("engine.openai_stream_failed", path=request.path, exc_info=failure)
+            msg = f"Internal server error: {failure}"
+            err = OpenAIError(msg, status=500, err_type="InternalServerError")
             try:
                 await resp.write(_sse({"error": err.body()}))
                 await resp.write(_SSE_DONE)
             except ConnectionResetError:
                 return resp
-        finally:  # leaving early (disconnect, cancellation): each pump's stream aborts its request
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
         await resp.write_eof()
         return resp
 

@@ -76,7 +76,12 @@ class SharedEngineEval:
                 for i, r in enumerate(records)
             ]
             async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(self._pool.run_group(g, on_sample_done=_noop)) for g in groups]
+                tasks = [
+                    tg.create_task(
+                        self._pool.run_group(g, on_sample_done=_noop), name=f"eval-{name}-group-{i}"
+                    )
+                    for i, g in enumerate(groups)
+                ]
             samples = [s for t in tasks for s in t.result()]
             self.last_samples[name] = samples
             metrics.update(dataset_metrics(name, samples, reward_key=self._reward_key))

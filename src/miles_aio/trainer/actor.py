@@ -224,7 +224,7 @@ class TrainerActor:
         assert self._tg is not None
         if chan.rank >= self._world or chan.rank in self._chans or self._closing:
             log.warning("trainer: unexpected rank connection dropped", rank=chan.rank)
-            self._tg.create_task(chan.aclose())
+            self._tg.create_task(chan.aclose(), name="trainer-channel-close")
             return
         self._chans[chan.rank] = chan
         reader = self._tg.create_task(self._read(chan), name=f"trainer-reader-{chan.rank}")
@@ -458,7 +458,9 @@ class TrainerActor:
         _, group, buckets, info = self._bcast
         for names in buckets:
             async with asyncio.TaskGroup() as tg:
-                sent = tg.create_task(self._call("bcast_bucket", {"names": names}))
+                sent = tg.create_task(
+                    self._call("bcast_bucket", {"names": names}), name="trainer-bcast-bucket"
+                )
                 tg.create_task(
                     engine.update_weights_from_distributed(
                         names=names,
@@ -516,9 +518,10 @@ class TrainerActor:
         )
         async with asyncio.TaskGroup() as tg:
             joined = tg.create_task(
-                self._call("bcast_init", {**init, "timeout_s": self.weight_group_timeout_s}, ranks=[0])
+                self._call("bcast_init", {**init, "timeout_s": self.weight_group_timeout_s}, ranks=[0]),
+                name="trainer-bcast-init",
             )
-            tg.create_task(engine.init_weights_update_group(**init, **offset))
+            tg.create_task(engine.init_weights_update_group(**init, **offset), name="engines-bcast-init")
         if (failed := joined.result()[0].header.get("failed")) is not None:
             return str(failed)
         if router and self._membership(engine) != key:
