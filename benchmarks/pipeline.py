@@ -53,12 +53,12 @@ from miles_aio.types import Sample
 T = TypeVar("T")
 
 B, N = 16, 8  # groups per step, samples per group
-LATENCY = LogNormalLatency(p50_s=1.0, p99_s=12.0)
+LATENCY = LogNormalLatency(p50=1.0, p99=12.0)
 TOKENS_PER_S = 50.0
 
 
 async def reward(ctx: RolloutContext, sample: Sample) -> float:
-    return 1.0
+    return float(sample.response_length % 2)  # varies, as a real reward: a constant one is warned about
 
 
 def config(run_dir: Path, steps: int, **sched: Any) -> RunConfig:
@@ -171,7 +171,7 @@ def main() -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))  # warnings and up only
 
     samples = B * N
-    rollout_s = samples * LATENCY.mean_s / (B * N)  # in-flight bound = B × N (the default)
+    rollout_s = samples * LATENCY.mean / (B * N)  # in-flight bound = B × N (the default)
     cases = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, train_s in (
@@ -205,8 +205,8 @@ def main() -> None:
         "setup": {
             "groups_per_step": B,
             "samples_per_group": N,
-            "latency_p50_s": LATENCY.p50_s,
-            "latency_p99_s": LATENCY.p99_s,
+            "latency_p50_s": LATENCY.p50,
+            "latency_p99_s": LATENCY.p99,
             "steps": args.steps,
             "time": "virtual (looptime)",
         },

@@ -61,7 +61,7 @@ import looptime
 import structlog
 
 from benchmarks.engine import ALPHABET, _run_batch
-from benchmarks.simulate import SimConfig, run_sim
+from benchmarks.sim_run import SimConfig, run_sim
 from miles_aio.config import (
     BufferConfig,
     DataConfig,
@@ -82,8 +82,7 @@ from miles_aio.rollout.context import LimitedEngine, RolloutContext
 from miles_aio.rollout.limiter import Limiter
 from miles_aio.rollout.pool import RolloutPool
 from miles_aio.tasks.arithmetic import make_splits
-from miles_aio.testing import FakeTokenizer
-from miles_aio.testing.sim_engine import EmpiricalLengths, FakeBatchedEngine
+from miles_aio.testing import EmpiricalLengths, FakeLatencyEngine, FakeTokenizer
 from miles_aio.types import Group
 
 B, N, MAX_LEN, MAX_RUNNING, WARMUP = 8, 8, 24, 64, 3
@@ -178,9 +177,9 @@ class EngineParams:
     curve: tuple[tuple[int, float], ...]
     start: tuple[tuple[int, float], ...]
 
-    def engine(self, lengths: Any) -> FakeBatchedEngine:
-        return FakeBatchedEngine(
-            lengths, max_running=MAX_RUNNING, per_token_curve=self.curve, prefill_curve=self.start
+    def engine(self, lengths: Any) -> FakeLatencyEngine:
+        return FakeLatencyEngine(
+            lengths=lengths, max_running=MAX_RUNNING, per_token_curve=self.curve, prefill_curve=self.start
         )
 
 

@@ -34,17 +34,18 @@ async timing): 2% → 82.5% → 97.5% → 100% → 100% → 98% at steps 0-50, 5
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
 import tempfile
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from miles_aio.config import RunConfig
-from miles_aio.recipe import Recipe, main
+from miles_aio.config import RunConfig, opt
+from miles_aio.errors import ConfigError
+from miles_aio.recipe import Recipe, RecipeArgs, main
 from miles_aio.tasks.arithmetic import Problem, Segment, make_splits
 from miles_aio.types import Sample
 from recipes import quickstart
@@ -279,12 +280,40 @@ def _greedy(model: Any, rows: list[list[int]], *, max_new: int, end_ids: list[in
 MODEL: Final[dict[str, Any]] = {"chat_tokens": True, "max_position_embeddings": 256}
 
 
-def prepare(cfg: RunConfig, ns: argparse.Namespace) -> None:
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Options:
+    """agent_calculator's own flags: its warm start."""
+
+    warm_start_accuracy: float = opt(
+        0.9,
+        "Supervised warm start until the model, made to start a tool call, answers this share of training "
+        "problems right (greedy); 0 stops after --warm-start-check-every steps.",
+    )
+    warm_start_call_share: float = opt(
+        DECIDE_SHARE,
+        f"Share of the warm start's conversations that teach the model to start a tool call (of the "
+        f"{TOOL_SHARE} that use the tool; the others teach only how to use it, once started).",
+    )
+    warm_start_check_every: int = opt(25, "Warm-start steps between two checks of that share.")
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.warm_start_call_share <= TOOL_SHARE:
+            raise ConfigError(
+                f"must be between 0 and {TOOL_SHARE}, got {self.warm_start_call_share}",
+                flags=["--warm-start-call-share"],
+            )
+        if self.warm_start_check_every < 1:
+            raise ConfigError(
+                f"must be >= 1, got {self.warm_start_check_every}", flags=["--warm-start-check-every"]
+            )
+
+
+def prepare(cfg: RunConfig, args: RecipeArgs[Options]) -> None:
     """The supervised warm start (before the event loop starts; cached in the run directory)."""
     from miles_aio.models.tiny import build_tiny_llama, load_tokenizer
     from miles_aio.tasks.arithmetic import warm_start
 
-    model_dir = cfg.run_dir / "model"
+    model_dir, opts = cfg.run_dir / "model", args.options
     if (model_dir / "model.safetensors").is_file():
         return
     with tempfile.TemporaryDirectory() as tmp:  # the tokenizer the examples are rendered with
@@ -294,16 +323,16 @@ def prepare(cfg: RunConfig, ns: argparse.Namespace) -> None:
         model_dir,
         train,
         alphabet=ALPHABET,
-        render=make_render(tok, decide_share=ns.warm_start_call_share),
+        render=make_render(tok, decide_share=opts.warm_start_call_share),
         # 0: no probe at all (a smoke run): stop at the first check
-        solve=functools.partial(solve, force_call=True) if ns.warm_start_accuracy > 0 else _no_answers,
-        target_accuracy=ns.warm_start_accuracy,
+        solve=functools.partial(solve, force_call=True) if opts.warm_start_accuracy > 0 else _no_answers,
+        target_accuracy=opts.warm_start_accuracy,
         model_kwargs=MODEL,
         append_eos=False,
         lr=2e-3,
         batch_size=64,
         probe_size=50,
-        check_every=ns.warm_start_check_every,
+        check_every=opts.warm_start_check_every,
     )
 
 
@@ -311,39 +340,8 @@ def _no_answers(model: Any, tok: Any, problems: Sequence[Problem]) -> list[str]:
     return [""] * len(problems)
 
 
-def _call_share(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value <= TOOL_SHARE:
-        raise argparse.ArgumentTypeError(f"must be between 0 and {TOOL_SHARE}, got {value}")
-    return value
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("agent_calculator")
-    g.add_argument(
-        "--warm-start-accuracy",
-        type=float,
-        default=0.9,
-        help="Supervised warm start until the model, made to start a tool call, answers this share of "
-        "training problems right (greedy; default: 0.9); 0 stops after --warm-start-check-every steps.",
-    )
-    g.add_argument(
-        "--warm-start-call-share",
-        type=_call_share,
-        default=DECIDE_SHARE,
-        help="Share of the warm start's conversations that teach the model to start a tool call (of the "
-        "0.75 that use the tool; the others teach only how to use it, once started; default: 0.08).",
-    )
-    g.add_argument(
-        "--warm-start-check-every",
-        type=int,
-        default=25,
-        help="Warm-start steps between two checks of that share (default: 25).",
-    )
-
-
-def plan(cfg: RunConfig, ns: argparse.Namespace) -> dict[str, Any]:
-    return quickstart.plan(cfg, ns) | {
+def plan(cfg: RunConfig, args: RecipeArgs[object]) -> dict[str, Any]:
+    return quickstart.plan(cfg, args) | {
         "model": "tiny chat Llama (role tokens, chat template), warm-started by supervised fine-tuning",
         "agent": cfg.rollout.custom_agent_function_path,
         "tool_call_parser": cfg.rollout.session_tool_call_parser,
@@ -373,9 +371,9 @@ DEFAULTS: dict[str, Any] = {
     "eval_max_response_len": 80,
     "save_interval": 100,  # into <run-dir>/checkpoints unless --save is given; the last step too
     # trainer: the quickstart's (GRPO + truncated importance sampling), one optimizer step per rollout
+    # (the derived --global-batch-size: every sample of the rollout)
     "lr": 3e-5,
     "use_tis": True,
-    "global_batch_size": 128,
     "micro_batch_size": 128,
     "update_weight_transfer_mode": "disk",
 }
@@ -385,7 +383,7 @@ RECIPE = Recipe(
     description=(__doc__ or "").split("\n\n")[0],
     defaults=DEFAULTS,
     build=quickstart.build,
-    add_arguments=add_arguments,
+    options=Options,
     prompts=quickstart.prompts,
     eval_prompts=quickstart.eval_prompts,
     prepare=prepare,

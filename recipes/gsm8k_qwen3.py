@@ -20,14 +20,13 @@ controller. `--dry-run` prints this plan for your flags without starting anythin
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from miles_aio.config import RunConfig
 from miles_aio.errors import ConfigError
-from miles_aio.recipe import Recipe, RunParts, main, open_run_parts
+from miles_aio.recipe import DefaultsWhen, NoOptions, Recipe, RecipeArgs, RunParts, main, open_run_parts
 
 DEFAULTS: dict[str, Any] = {
     # rollout: as miles' Qwen3 fully async examples
@@ -54,11 +53,10 @@ DEFAULTS: dict[str, Any] = {
 
 
 def train_defaults() -> dict[str, Any]:
+    # --global-batch-size stays derived (every sample of a rollout, 256 with these defaults)
     return {
         "train_backend": "megatron",
         "actor_num_gpus_per_node": 4,
-        "tensor_model_parallel_size": 2,
-        "global_batch_size": 256,
         "lr": 1e-6,
         "eps_clip": 0.2,
         "eps_clip_high": 0.28,
@@ -67,13 +65,19 @@ def train_defaults() -> dict[str, Any]:
     }
 
 
-def build(cfg: RunConfig, ns: argparse.Namespace) -> AbstractAsyncContextManager[RunParts]:
+MEGATRON_DEFAULTS = DefaultsWhen(
+    when={"train_backend": "megatron"}, defaults={"tensor_model_parallel_size": 2}
+)
+"""TP 2 is megatron's: `--train-backend fsdp` keeps TP 1 (FSDP has no tensor parallelism)."""
+
+
+def build(cfg: RunConfig, args: RecipeArgs[NoOptions]) -> AbstractAsyncContextManager[RunParts]:
     if cfg.train.hf_checkpoint is None:
         raise ConfigError("the model to train", flags=["--hf-checkpoint"])
-    return open_run_parts(cfg, ns, model_path=cfg.train.hf_checkpoint)
+    return open_run_parts(cfg, args, model_path=cfg.train.hf_checkpoint)
 
 
-def plan(cfg: RunConfig, ns: argparse.Namespace) -> dict[str, Any]:
+def plan(cfg: RunConfig, args: RecipeArgs[NoOptions]) -> dict[str, Any]:
     t, e = cfg.train, cfg.engine
     trainer_gpus = t.actor_num_nodes * t.actor_num_gpus_per_node
     tp, pp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size
@@ -85,8 +89,8 @@ def plan(cfg: RunConfig, ns: argparse.Namespace) -> dict[str, Any]:
             f"({e.num_engines} SGLang engines × {e.rollout_num_gpus_per_engine} GPU)",
         },
         "weight_sync": t.update_weight_transfer_mode,
-        "sglang_args": ns.sglang_args,
-        "eval_sglang_args": ns.eval_sglang_args,
+        "sglang_args": args.sglang_args,
+        "eval_sglang_args": args.eval_sglang_args,
     }
 
 
@@ -94,6 +98,7 @@ RECIPE = Recipe(
     name="gsm8k_qwen3",
     description=(__doc__ or "").split("\n\n")[0],
     defaults={**DEFAULTS, **train_defaults()},
+    defaults_when=[MEGATRON_DEFAULTS],
     build=build,
     plan=plan,
 )

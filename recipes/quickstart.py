@@ -16,15 +16,16 @@ The run directory gets metrics.jsonl, ledger.jsonl, the final checkpoint and PNG
 
 from __future__ import annotations
 
-import argparse
 import os
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
 from typing import Any
 
-from miles_aio.config import RunConfig
+from miles_aio.config import RunConfig, opt
 from miles_aio.data.source import PromptRecord
-from miles_aio.recipe import Recipe, RunParts, main, open_run_parts
+from miles_aio.errors import ConfigError
+from miles_aio.recipe import Recipe, RecipeArgs, RunParts, main, open_run_parts
 from miles_aio.tasks.arithmetic import make_splits
 
 DEFAULTS: dict[str, Any] = {
@@ -44,50 +45,55 @@ DEFAULTS: dict[str, Any] = {
     "eval_temperature": 0.0,
     "eval_max_response_len": 4,
     "save_interval": 100,  # into <run-dir>/checkpoints unless --save is given; the last step too
-    # trainer: one rank, GRPO with truncated importance sampling, one optimizer step per rollout
+    # trainer: one rank, GRPO with truncated importance sampling, one optimizer step per rollout (the
+    # derived --global-batch-size: every sample of the rollout, whatever the batch flags say)
     "lr": 3e-5,  # 3e-4 and 1e-4 were measured to collapse or stall this model (see the README)
     "use_tis": True,
-    "global_batch_size": 256,
     "micro_batch_size": 256,
     "update_weight_transfer_mode": "disk",
 }
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("quickstart")
-    g.add_argument(
-        "--warm-start-accuracy",
-        type=float,
-        default=0.2,
-        help="Supervised warm start until this greedy accuracy on training problems (default: 0.2).",
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Options:
+    """The quickstart's own flags."""
+
+    warm_start_accuracy: float = opt(
+        0.2, "Supervised warm start until this greedy accuracy on training problems."
     )
 
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.warm_start_accuracy <= 1.0:
+            raise ConfigError(
+                f"must be in [0, 1], got {self.warm_start_accuracy}", flags=["--warm-start-accuracy"]
+            )
 
-def prompts(cfg: RunConfig, ns: argparse.Namespace) -> list[PromptRecord]:
+
+def prompts(cfg: RunConfig, args: RecipeArgs[object]) -> list[PromptRecord]:
     train, _ = make_splits()
     return [PromptRecord(p.prompt, label=p.answer) for p in train]
 
 
-def eval_prompts(cfg: RunConfig, ns: argparse.Namespace) -> dict[str, list[PromptRecord]]:
+def eval_prompts(cfg: RunConfig, args: RecipeArgs[object]) -> dict[str, list[PromptRecord]]:
     _, held_out = make_splits()
     return {"held_out": [PromptRecord(p.prompt, label=p.answer) for p in held_out]}
 
 
-def prepare(cfg: RunConfig, ns: argparse.Namespace) -> None:
+def prepare(cfg: RunConfig, args: RecipeArgs[Options]) -> None:
     """The supervised warm start (before the event loop starts; cached in the run directory)."""
     from miles_aio.tasks.arithmetic import warm_start
 
     model_dir = cfg.run_dir / "model"
     if not (model_dir / "model.safetensors").is_file():
         train, _ = make_splits()
-        warm_start(model_dir, train, target_accuracy=ns.warm_start_accuracy)
+        warm_start(model_dir, train, target_accuracy=args.options.warm_start_accuracy)
 
 
-def build(cfg: RunConfig, ns: argparse.Namespace) -> AbstractAsyncContextManager[RunParts]:
-    return open_run_parts(cfg, ns, model_path=cfg.run_dir / "model")
+def build(cfg: RunConfig, args: RecipeArgs[object]) -> AbstractAsyncContextManager[RunParts]:
+    return open_run_parts(cfg, args, model_path=cfg.run_dir / "model")
 
 
-def plan(cfg: RunConfig, ns: argparse.Namespace) -> dict[str, Any]:
+def plan(cfg: RunConfig, args: RecipeArgs[object]) -> dict[str, Any]:
     return {
         "processes": {
             "controller": 1,
@@ -104,7 +110,7 @@ RECIPE = Recipe(
     description=(__doc__ or "").split("\n\n")[0],
     defaults=DEFAULTS,
     build=build,
-    add_arguments=add_arguments,
+    options=Options,
     prompts=prompts,
     eval_prompts=eval_prompts,
     prepare=prepare,

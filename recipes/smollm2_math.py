@@ -17,7 +17,6 @@ model's behaviour end to end; it is not a benchmark, and it is not part of CI (o
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
 import random
@@ -29,7 +28,7 @@ from typing import Any
 from miles_aio.config import RunConfig
 from miles_aio.data.source import PromptRecord
 from miles_aio.errors import ConfigError
-from miles_aio.recipe import Recipe, RunParts, main, open_run_parts
+from miles_aio.recipe import NoOptions, Recipe, RecipeArgs, RunParts, main, open_run_parts
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -44,8 +43,7 @@ DEFAULTS: dict[str, Any] = {
     "eval_interval": 5,
     "eval_temperature": 0.0,
     "lr": 1e-6,
-    "use_tis": True,
-    "global_batch_size": 32,
+    "use_tis": True,  # --global-batch-size: derived, every sample of the rollout
     "micro_batch_size": 8,
     "engine_num_threads": 1,
 }
@@ -61,11 +59,11 @@ def problems(seed: int, n: int) -> list[PromptRecord]:
     return out
 
 
-def prompts(cfg: RunConfig, ns: argparse.Namespace) -> list[PromptRecord]:
+def prompts(cfg: RunConfig, args: RecipeArgs[NoOptions]) -> list[PromptRecord]:
     return problems(seed=1, n=2000)
 
 
-def eval_prompts(cfg: RunConfig, ns: argparse.Namespace) -> dict[str, list[PromptRecord]]:
+def eval_prompts(cfg: RunConfig, args: RecipeArgs[NoOptions]) -> dict[str, list[PromptRecord]]:
     return {"addition": problems(seed=2, n=50)}
 
 
@@ -98,14 +96,14 @@ def convert(out: Path) -> Path:
     return out
 
 
-def prepare(cfg: RunConfig, ns: argparse.Namespace) -> None:
+def prepare(cfg: RunConfig, args: RecipeArgs[NoOptions]) -> None:
     model_dir = cfg.run_dir / "model"
     if not (model_dir / "model.safetensors").is_file():
         convert(model_dir)
 
 
-def build(cfg: RunConfig, ns: argparse.Namespace) -> AbstractAsyncContextManager[RunParts]:
-    return open_run_parts(cfg, ns, model_path=cfg.run_dir / "model")
+def build(cfg: RunConfig, args: RecipeArgs[NoOptions]) -> AbstractAsyncContextManager[RunParts]:
+    return open_run_parts(cfg, args, model_path=cfg.run_dir / "model")
 
 
 RECIPE = Recipe(
@@ -116,7 +114,7 @@ RECIPE = Recipe(
     prompts=prompts,
     eval_prompts=eval_prompts,
     prepare=prepare,
-    plan=lambda cfg, ns: {"model": f"SmolLM2-135M-Instruct ({GGUF_FILE}, converted to float32 HF)"},
+    plan=lambda cfg, args: {"model": f"SmolLM2-135M-Instruct ({GGUF_FILE}, converted to float32 HF)"},
     checkpoints_in_run_dir=True,
 )
 

@@ -17,13 +17,12 @@ else — engines, trainer, fully async schedule, eval — is the quickstart's.
 
 from __future__ import annotations
 
-import argparse
 import os
 from collections.abc import Sequence
 from typing import Any
 
 from miles_aio.config import RunConfig
-from miles_aio.recipe import Recipe, main
+from miles_aio.recipe import Recipe, RecipeArgs, main
 from miles_aio.rollout.context import RolloutContext
 from miles_aio.rollout.single_turn import prompt_token_ids
 from miles_aio.tasks.arithmetic import Problem, Segment, make_splits, parse_answer
@@ -100,7 +99,7 @@ def solve(model: Any, tok: Any, problems: Sequence[Problem]) -> list[str]:
     return answers
 
 
-def prepare(cfg: RunConfig, ns: argparse.Namespace) -> None:
+def prepare(cfg: RunConfig, args: RecipeArgs[quickstart.Options]) -> None:
     from miles_aio.tasks.arithmetic import warm_start
 
     model_dir = cfg.run_dir / "model"
@@ -112,7 +111,7 @@ def prepare(cfg: RunConfig, ns: argparse.Namespace) -> None:
             alphabet=ALPHABET,
             render=render,
             solve=solve,
-            target_accuracy=ns.warm_start_accuracy,
+            target_accuracy=args.options.warm_start_accuracy,
         )
 
 
@@ -127,7 +126,7 @@ RECIPE = Recipe(
         "reward_key": "reward",
     },
     build=quickstart.build,
-    add_arguments=quickstart.add_arguments,
+    options=quickstart.Options,
     prompts=quickstart.prompts,
     eval_prompts=quickstart.eval_prompts,
     prepare=prepare,

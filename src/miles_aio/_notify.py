@@ -3,7 +3,8 @@
 asyncio.Condition needs its lock held to notify, which a synchronous callback (a sample finishing, a
 `close()`) cannot do. Here `notify()` is a plain method, and since asyncio runs one callback at a
 time, checking the predicate and registering the waiter happen with nothing in between: no wakeup is
-lost.
+lost. Waiters wake in the order they started waiting (FIFO), so a run on virtual time is reproducible:
+the order does not depend on where the waiters' futures happen to sit in memory.
 """
 
 from __future__ import annotations
@@ -18,23 +19,23 @@ __all__ = ["Notifier"]
 @final
 class Notifier:
     def __init__(self) -> None:
-        self._waiters: set[asyncio.Future[None]] = set()
+        self._waiters: dict[asyncio.Future[None], None] = {}  # insertion-ordered: wakeups are FIFO
 
     def notify(self) -> None:
-        """Wake every current waiter so it re-checks its predicate."""
-        for fut in self._waiters:
+        """Wake every current waiter, oldest first, so it re-checks its predicate."""
+        waiters, self._waiters = self._waiters, {}
+        for fut in waiters:
             if not fut.done():
                 fut.set_result(None)
-        self._waiters.clear()
 
     async def wait(self) -> None:
         """Return at the next `notify()`."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.add(fut)
+        self._waiters[fut] = None
         try:
             await fut
         finally:
-            self._waiters.discard(fut)
+            self._waiters.pop(fut, None)
 
     async def wait_until(self, predicate: Callable[[], bool]) -> None:
         """Return once `predicate()` is true (checked now and after every notify)."""

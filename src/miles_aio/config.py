@@ -4,6 +4,16 @@ Every field's flag is `--` + its name with `_` → `-` (miles' flag names), and 
 field's metadata, so the CLI (`miles_aio.cli`) and the docs are generated from this file. Invalid values
 raise `ConfigError` naming the flags, from `__post_init__`, so a bad config can never be constructed —
 the CLI turns that into exit code 2 before any process starts.
+
+`__post_init__` only checks values: it reads no file, looks at no environment, logs nothing and
+rewrites no field, so it can run again on every copy (`RunConfig.replace`) and in every rank. The one
+path from flags to components is
+
+    flags ──cli.parse_flags──▶ values ──cli.config_from_values──▶ RunConfig (validated)
+          ──resolve──▶ RunConfig (derived fields filled in, environment checked; once, in the controller)
+          ──config_warnings──▶ logged once
+
+and every component then reads that one resolved `RunConfig` (the trainer ranks its `train` part).
 """
 
 from __future__ import annotations
@@ -13,20 +23,28 @@ import ipaddress
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, TypeAlias
 
-from miles_aio._fields import flag, opt
+import structlog
+
+from miles_aio._fields import ConfigWarning, flag, opt
 from miles_aio.errors import ConfigError
-from miles_aio.observability.config import ObservabilityConfig
+from miles_aio.observability.config import ObservabilityConfig, check_observability_installed
 from miles_aio.trainer.config import (
     TrainConfig,
     check_batch_arithmetic,
+    check_model_layers,
     check_off_policy_correction,
+    check_run_lr_decay,
+    train_warnings,
     with_run_lr_decay,
 )
 
 __all__ = [
+    "AUTO",
     "BufferConfig",
+    "ConcurrencyBound",
+    "ConfigWarning",
     "DataConfig",
     "DriverConfig",
     "EngineConfig",
@@ -36,14 +54,33 @@ __all__ = [
     "RunConfig",
     "SchedulerConfig",
     "TrainConfig",
+    "config_warnings",
     "flag",
+    "log_config_warnings",
     "opt",
+    "parse_concurrency_bound",
+    "resolve",
 ]
+
+log = structlog.get_logger("miles_aio.config")
 
 _CTX: Final = "--rollout-max-context-len"
 Granularity = Literal["sample", "group"]
 UnusedHandler = Literal["retry", "drop"]
 PauseMode = Literal["retract", "in_place", "abort"]
+AUTO: Final = "auto"
+ConcurrencyBound: TypeAlias = int | Literal["auto"]
+"""`--async-max-concurrent-samples`: a number of samples, or `AUTO` (adapted to engine load)."""
+
+
+def parse_concurrency_bound(text: str) -> ConcurrencyBound:
+    """The flag's text as a `ConcurrencyBound`: `auto`, or a whole number (ValueError otherwise)."""
+    text = text.strip()
+    if text == AUTO:
+        return AUTO
+    if not text.isdigit():
+        raise ValueError(f"must be a positive integer or 'auto', got {text!r}")
+    return int(text)
 
 
 def _is_loopback(host: str) -> bool:
@@ -75,7 +112,9 @@ class DataConfig:
     apply_chat_template: bool = opt(
         False, "Wrap text prompts as one user message, so generate applies the tokenizer's chat template."
     )
-    rollout_shuffle: bool = opt(True, "Shuffle the prompts each epoch (seeded by --seed and the epoch).")
+    rollout_shuffle: bool = opt(
+        True, "Shuffle the prompts each epoch (seeded by --rollout-seed and the epoch)."
+    )
     rollout_seed: int = opt(42, "Seed of the prompt shuffle (the trainer's is --seed).")
     skip_invalid_prompts: bool = opt(
         False, "Skip (log, count) invalid prompt lines instead of failing; rollout/skipped_prompts/<reason>."
@@ -101,7 +140,7 @@ class RolloutConfig:
         (), "Stop strings that end a response (kept in the response text, as miles sends no_stop_trim)."
     )
     rollout_skip_special_tokens: bool = opt(
-        False, "Drop special tokens (e.g. the EOS text) from the response text (miles' default: kept)."
+        False, "Drop special tokens (e.g. the EOS text) from the response text (miles keeps them)."
     )
     custom_generate_function_path: str = opt(
         "miles_aio.rollout.single_turn:generate",
@@ -231,11 +270,13 @@ class EngineConfig:
 class SchedulerConfig:
     """When a new prompt group may be submitted (`miles_aio.scheduler.policy`)."""
 
-    async_max_concurrent_samples: str | int | None = opt(
+    async_max_concurrent_samples: ConcurrencyBound | None = opt(
         None,
-        "In-flight bound in samples (default: rollout_batch_size × n_samples_per_prompt); `auto` adapts "
-        "it (and the limiter) to engine load, within --adaptive-concurrency-min/max.",
+        "In-flight bound in samples; `auto` adapts it (and the limiter) to engine load, within "
+        "--adaptive-concurrency-min/max.",
         metavar="N|auto",
+        parse=parse_concurrency_bound,
+        shown_default="rollout_batch_size × n_samples_per_prompt",
     )
     adaptive_concurrency_min: int = opt(8, "With `auto`: the smallest in-flight bound (samples).")
     adaptive_concurrency_max: int = opt(4096, "With `auto`: the largest in-flight bound (samples).")
@@ -245,20 +286,17 @@ class SchedulerConfig:
     )
     max_admission_staleness: int | None = opt(
         None,
-        "Admission pacing: admit a group only if it cannot be more than K versions old when consumed "
-        "(default: off).",
+        "Admission pacing: admit a group only if it cannot be more than K versions old when consumed.",
         metavar="K",
     )
 
     def __post_init__(self) -> None:
         cap = self.async_max_concurrent_samples
-        if isinstance(cap, str) and cap != "auto":  # from the CLI: a number or `auto`
-            if not cap.strip().isdigit():
-                raise ConfigError(
-                    f"must be a positive integer or 'auto', got {cap!r}",
-                    flags=["--async-max-concurrent-samples"],
-                )
-            object.__setattr__(self, "async_max_concurrent_samples", cap := int(cap))
+        if isinstance(cap, str) and cap != AUTO:  # the CLI parses the flag; code must pass an int
+            raise ConfigError(
+                f"must be a positive integer or {AUTO!r}, got {cap!r}",
+                flags=["--async-max-concurrent-samples"],
+            )
         if not isinstance(cap, str):
             _positive(cap, "async_max_concurrent_samples", allow_none=True)
         _positive(self.adaptive_concurrency_min, "adaptive_concurrency_min")
@@ -273,7 +311,7 @@ class SchedulerConfig:
     @property
     def adaptive(self) -> bool:
         """--async-max-concurrent-samples auto."""
-        return self.async_max_concurrent_samples == "auto"
+        return self.async_max_concurrent_samples == AUTO
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -354,10 +392,10 @@ class EvalConfig:
     )
     n_samples_per_eval_prompt: int = opt(1, "Samples per eval prompt.")
     eval_max_response_len: int | None = opt(
-        None, "max_new_tokens for eval (default: --rollout-max-response-len)."
+        None, "max_new_tokens for eval.", shown_default="--rollout-max-response-len"
     )
     eval_temperature: float | None = opt(
-        None, "Sampling temperature for eval (default: --rollout-temperature)."
+        None, "Sampling temperature for eval.", shown_default="--rollout-temperature"
     )
     skip_eval_before_train: bool = opt(False, "Do not evaluate the initial weights.")
     # Mode 2 (dedicated engines loading HF snapshots) and mode 3 (an external CheckpointEvalFn)
@@ -456,7 +494,8 @@ class EvalConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunConfig:
-    """A whole run. Cross-component rules live in `__post_init__`."""
+    """A whole run. Cross-component rules live in `__post_init__` (pure checks, as the components');
+    `resolve` fills in the derived fields once, in the controller process."""
 
     data: DataConfig
     rollout: RolloutConfig
@@ -483,9 +522,10 @@ class RunConfig:
                 f"the in-flight bound ({cap}) must hold at least one whole group of {n} samples",
                 flags=["--async-max-concurrent-samples", "--n-samples-per-prompt"],
             )
-        samples_per_step = self.rollout.rollout_batch_size * n
-        check_batch_arithmetic(self.train, samples_per_step)
-        with_run_lr_decay(self.train, num_rollout=self.driver.num_rollout, samples_per_step=samples_per_step)
+        check_batch_arithmetic(self.train, self.samples_per_step)
+        check_run_lr_decay(
+            self.train, num_rollout=self.driver.num_rollout, samples_per_step=self.samples_per_step
+        )
         check_off_policy_correction(self.train, fully_async=True)
         if self.buffer_capacity_groups < 1:
             raise ConfigError(
@@ -509,11 +549,16 @@ class RunConfig:
             )
 
     @property
+    def samples_per_step(self) -> int:
+        """rollout_batch_size × n_samples_per_prompt: the samples one training step consumes."""
+        return self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
+
+    @property
     def max_in_flight_samples(self) -> int:
         """--async-max-concurrent-samples, else rollout_batch_size × n_samples_per_prompt (as miles);
         with `auto`, the initial bound: that default, clamped to --adaptive-concurrency-min/max."""
         s, cap = self.scheduler, self.scheduler.async_max_concurrent_samples
-        default = self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
+        default = self.samples_per_step
         if s.adaptive:
             return min(max(default, s.adaptive_concurrency_min), s.adaptive_concurrency_max)
         return cap if isinstance(cap, int) else default
@@ -524,5 +569,36 @@ class RunConfig:
         return math.floor(self.buffer.async_data_buffer_capacity_factor * self.rollout.rollout_batch_size)
 
     def replace(self, **changes: Any) -> RunConfig:
-        """A copy with some components (or run_dir) replaced; validation runs again."""
+        """A copy with some components (or run_dir) replaced; validation runs again (resolution does
+        not: a copy that changes what a derived field derives from goes through `resolve` again)."""
         return dataclasses.replace(self, **changes)
+
+
+def resolve(cfg: RunConfig) -> RunConfig:
+    """The run's config with its derived fields filled in, after the checks that need more than the
+    values (files, the environment); raises ConfigError naming the flags. Run once, in the controller
+    process, before anything starts; every component (the trainer ranks too) then uses its result.
+
+    - `--lr-decay-iters` unset with a linear/cosine schedule: the run's last optimizer step (Megatron's
+      default), so the ranks train with the schedule the run's own config states;
+    - `--hf-checkpoint`'s layer count splits into the pipeline stages (reads its config.json);
+    - what the flags ask for is installed (wandb).
+
+    Idempotent: `resolve(resolve(cfg)) == resolve(cfg)`."""
+    train = with_run_lr_decay(
+        cfg.train, num_rollout=cfg.driver.num_rollout, samples_per_step=cfg.samples_per_step
+    )
+    check_model_layers(train)
+    check_observability_installed(cfg.observability)
+    return cfg if train is cfg.train else cfg.replace(train=train)
+
+
+def config_warnings(cfg: RunConfig) -> list[ConfigWarning]:
+    """Valid but risky settings, for the controller process to log once (`log_config_warnings`)."""
+    return train_warnings(cfg.train)
+
+
+def log_config_warnings(cfg: RunConfig) -> None:
+    """Log each of `config_warnings(cfg)` once, as a warning event with its flags and detail."""
+    for w in config_warnings(cfg):
+        log.warning(w.event, flags=list(w.flags), detail=w.detail)

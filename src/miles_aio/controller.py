@@ -6,6 +6,13 @@
                                                            │
        step loop:  drain(B groups) ─► Trainer.train ─► every I steps: pause → sync → stamp → continue
 
+Construction (`Controller.__init__`) builds every component in dependency order, each from what exists
+already (no component imports the controller or is wired after construction): the ledger and the
+tracer; the limiter, the engine client and the rollout context; the producer side — the admission gate
+(the scheduler state, and the notifier that wakes admission), the step accounting, the group fates (the
+buffer's callbacks), the buffer, the pool, the worker —; adaptive concurrency (`auto` only); the
+observer and the eval points.
+
 Tasks (all owned by `run()`'s TaskGroup):
   rollout-worker  produces finished groups into the buffer; never waits for training.
                   Waits for admission (in-flight bound, full buffer, pacing); unblocked by group
@@ -13,16 +20,35 @@ Tasks (all owned by `run()`'s TaskGroup):
   drain-<step>    consumes B groups from the buffer for one step (one step ahead of training);
                   waits for `buffer.get()`; unblocked by the worker's puts. The push after step s waits
                   for the drain of step s+1 to finish, so a batch is drained at a single version.
+  adaptive-concurrency  with `--async-max-concurrent-samples auto` only: resizes the limiter and the
+                  in-flight bound every interval (`miles_aio.scheduler.adaptive`); ends with the worker.
   agent-sessions  with --custom-agent-function-path only: the agents' OpenAI-compatible session endpoint
                   (`miles_aio.rollout.agent.SessionServer`); answers agents until cancelled at the end.
   the body        the step loop: trains, pushes weights, saves, evaluates, logs metrics.
+
+The step loop (`_step_loop`, one `_step` per step; each phase timed by the step's `StepClock`):
+
+    for step in range(start, num_rollout):
+        batch = the drain of step (started one step ahead)    # wait_data
+        start the drain of step + 1
+        train(step, batch)                                     # train
+        every I steps and after the last: _push_after_barrier  # finish the drain of step + 1 (wait_data),
+                                                               # the eval point in flight (eval), push
+        stop requested: save now; else save every --save-interval steps and after the last step
+        an eval point due (not when stopping): dispatch it; the last step waits for its point (eval)
+        the step's record: metrics, the buffer window cut at its drain, perf/* from its clock
 
 Shutdown (healthy): after the last step the worker is cancelled; in-flight groups are recorded
 `pending_at_exit` in the ledger. Stop (`request_stop()`, on SIGINT/SIGTERM): the step in progress
 finishes (a wait for data ends at once; its weight push is skipped when it would first wait for the
 next batch), a checkpoint with every pending group is saved, the step's metrics record is written, then
-as healthy. Crash: a worker exception is kept, the buffer closed, and the next drain raises
-`RolloutWorkerDied` from it; any other failing task cancels the group and its error propagates.
+as healthy. A stop that ends the wait for a step's batch (`_StopRequested`) ends the loop before that
+step, saving the previous one; a stop right after a periodic save saves once. A stop during the last
+step is just the end of the run (the last step always pushes, evaluates and saves as usual).
+Crash: a worker exception is kept, the buffer closed, and the next drain re-raises it — the worker's
+own error (the user's exception type, so `except MyError` around the run works), with a note naming
+the step; any other failing task cancels the group. The run raises the primary error of the group
+(`errors.primary_error`: the others are attached as notes and logged).
 """
 
 from __future__ import annotations
@@ -49,29 +75,47 @@ from miles_aio.checkpoint import (
 )
 from miles_aio.config import RunConfig
 from miles_aio.data.source import DataSource, PromptRecord
-from miles_aio.errors import BufferClosed, RolloutWorkerDied, primary_error
+from miles_aio.errors import BufferClosed, primary_error
 from miles_aio.eval.build import build_eval_dispatcher
 from miles_aio.eval.dispatcher import EvalPoints
 from miles_aio.eval.snapshots import save_hf_checkpoint
 from miles_aio.inference.base import InferenceEngine
 from miles_aio.ledger import Ledger
 from miles_aio.metrics import MetricsSink, rollout_batch_metrics
-from miles_aio.observability.accounting import StepAccounting, StepTimes
-from miles_aio.observability.observer import RunObserver
+from miles_aio.observability.accounting import StepAccounting, StepClock
+from miles_aio.observability.observer import RunObserver, run_tracer
 from miles_aio.plugins import Plugins
 from miles_aio.rollout.agent import agent_sessions
 from miles_aio.rollout.context import LimitedEngine, RolloutContext, Tokenizer
 from miles_aio.rollout.limiter import Limiter
 from miles_aio.rollout.pool import RolloutPool
-from miles_aio.scheduler.adaptive import run_adaptive
+from miles_aio.scheduler.adaptive import AdaptiveConcurrency, load_sampler
 from miles_aio.scheduler.policy import AdmissionLimits, DrainSchedule
-from miles_aio.scheduler.worker import RolloutWorker
+from miles_aio.scheduler.worker import AdmissionGate, RolloutWorker
 from miles_aio.trainer.base import Trainer
-from miles_aio.types import RunSummary
+from miles_aio.types import Group, RunSummary
 
 __all__ = ["Controller", "RunSummary"]
 
 log = structlog.get_logger("miles_aio.controller")
+
+
+class _StopRequested(Exception):
+    """`request_stop()` cancelled the drain the step loop was waiting for (`Controller._finish_drain`)."""
+
+
+def admission_limits(cfg: RunConfig) -> AdmissionLimits:
+    """The admission policy's limits for `cfg` (the in-flight bound is the initial one with `auto`)."""
+    return AdmissionLimits(
+        max_in_flight_samples=cfg.max_in_flight_samples,
+        group_size=cfg.rollout.n_samples_per_prompt,
+        granularity=cfg.scheduler.rollout_submission_granularity,
+        max_admission_staleness=cfg.scheduler.max_admission_staleness,
+        schedule=DrainSchedule(
+            batch_groups=cfg.rollout.rollout_batch_size,
+            update_interval=cfg.driver.update_weights_interval,
+        ),
+    )
 
 
 class Controller:
@@ -96,10 +140,11 @@ class Controller:
         self.cfg = cfg
         self.trainer = trainer
         self.source = source.bind_tokenizer(tokenizer, cfg.rollout.rollout_max_prompt_len)
+        # the step loop's own state
         self.version: int | None = None
-        self._worker_error: BaseException | None = None
         self.start_step = 0
         self.stopped = False
+        self._worker_error: BaseException | None = None
         self._weights_ahead = False
         self._carry: list[BufferItem] = []  # drained before a checkpoint, not yet trained: consumed first
         self._next_drain: asyncio.Task[list[BufferItem]] | None = None
@@ -107,24 +152,42 @@ class Controller:
         self._saved_step = -1  # a stop right after a periodic save does not save the same step again
         self._drained_metrics: dict[int, dict[str, float]] = {}  # buffer window of each step's drain
         self._stop = asyncio.Event()
-        ledger_path = cfg.run_dir / "ledger.jsonl" if write_files else None
-        self.ledger = Ledger(ledger_path, dataset_size=source.dataset_size)
-        self.obs = RunObserver(cfg, engine, sinks=sinks, write_files=write_files)
-        self.sinks, self.tracer = self.obs.sinks, self.obs.tracer  # metrics sinks; timeline trace
+
+        # The components, in dependency order: each is built from those above it, and nothing is wired
+        # after construction. 1. What records the run: the ledger of group fates, the timeline trace.
+        self.ledger = Ledger(
+            cfg.run_dir / "ledger.jsonl" if write_files else None, dataset_size=source.dataset_size
+        )
+        self.tracer = run_tracer(cfg, write_files=write_files)
+        # 2. The engines behind one limiter, and the context user code runs with.
         self.limiter = Limiter(cfg.rollout.sglang_server_concurrency * num_engines)
-        self.engine = LimitedEngine(engine, self.limiter, tracer=self.tracer)
+        self.engine = limited = LimitedEngine(engine, self.limiter, tracer=self.tracer)
         self.ctx = RolloutContext(
-            engine=self.engine,
+            engine=limited,
             tokenizer=tokenizer,
             config=cfg,
             log=structlog.get_logger("miles_aio.rollout"),
             sessions=agent_sessions(cfg, tokenizer),  # the agent session endpoint, with an agent (else None)
         )
+        # 3. The producer side: admission gate → step accounting → group fates → buffer → pool → worker.
+        self.gate = AdmissionGate(admission_limits(cfg))
+        self.accounting = StepAccounting(
+            blocked_seconds=self.gate.blocked_seconds, generated_tokens=lambda: limited.generated_tokens
+        )
+        self.fates = GroupFates(
+            handler=cfg.buffer.async_unused_samples_handler,
+            failure_policy=cfg.rollout.rollout_failure_policy,
+            max_recycles=cfg.buffer.max_group_recycles,
+            discard=self.gate.on_discarded,
+            ledger=self.ledger,
+            source=source,
+            accounting=self.accounting,
+        )
         self.buffer: DataBuffer = plugins.buffer_cls(
             DataBufferContext(
                 config=cfg,
-                on_unused=lambda item, why: self.fates.on_unused(item, why),
-                on_filtered=lambda item, why: self.fates.on_filtered(item, why),
+                on_unused=self.fates.on_unused,
+                on_filtered=self.fates.on_filtered,
                 dynamic_filter=normalize_filter(plugins.dynamic_filter_fn, self.ctx),
             )
         )
@@ -135,25 +198,28 @@ class Controller:
             group_rm=cfg.rollout.group_rm,
         )
         self.worker = RolloutWorker(
-            limits=AdmissionLimits(
-                max_in_flight_samples=cfg.max_in_flight_samples,
-                group_size=cfg.rollout.n_samples_per_prompt,
-                granularity=cfg.scheduler.rollout_submission_granularity,
-                max_admission_staleness=cfg.scheduler.max_admission_staleness,
-                schedule=DrainSchedule(
-                    batch_groups=cfg.rollout.rollout_batch_size,
-                    update_interval=cfg.driver.update_weights_interval,
-                ),
-            ),
-            source=source,
-            pool=self.pool,
+            gate=self.gate, source=source, pool=self.pool, buffer=self.buffer, ledger=self.ledger
+        )
+        # 4. Adaptive concurrency (`--async-max-concurrent-samples auto`, else None).
+        self.adaptive = AdaptiveConcurrency.from_config(
+            cfg,
+            limiter=self.limiter,
+            gate=self.gate,
+            accounting=self.accounting,
+            generated_tokens=lambda: limited.generated_tokens,
+            sample_load=load_sampler(engine),
+        )
+        # 5. What reports: the observer (sinks, hooks, counters of the buffer and the scheduler state), evals.
+        self.obs = RunObserver(
+            cfg,
+            engine,
+            tracer=self.tracer,
             buffer=self.buffer,
-            ledger=self.ledger,
+            state=self.gate.state,
+            sinks=sinks,
+            write_files=write_files,
         )
-        self.obs.watch(self.buffer, self.worker.state)  # buffer depth, in-flight samples and groups
-        self.accounting = StepAccounting(
-            blocked_seconds=self.worker.blocked_seconds, generated_tokens=lambda: self.engine.generated_tokens
-        )
+        self.sinks = self.obs.sinks  # the metrics sinks
         self.evals: EvalPoints = evals or build_eval_dispatcher(
             cfg,
             controller_ctx=self.ctx,
@@ -162,54 +228,50 @@ class Controller:
             eval_datasets=eval_datasets,
             eval_engine=eval_engine,
         )
-        self.fates = GroupFates(
-            handler=cfg.buffer.async_unused_samples_handler,
-            failure_policy=cfg.rollout.rollout_failure_policy,
-            max_recycles=cfg.buffer.max_group_recycles,
-            discard=self.worker.on_discarded,
-            ledger=self.ledger,
-            source=source,
-            accounting=self.accounting,
-        )
-        self.worker.consumed_hooks.append(self.fates.forget)
 
     # -- the run ---------------------------------------------------------------------------------------
     async def run(self) -> RunSummary:
         summary = RunSummary()
         t0 = time.monotonic()
         try:
-            async with paced_gc(), asyncio.TaskGroup() as tg:
-                # agent sessions (--custom-agent-function-path): serving before any rollout or eval starts
-                sessions, serving = self.ctx.sessions, None
-                if sessions is not None:
-                    serving = tg.create_task(sessions.serve(), name="agent-sessions")
-                    await sessions.ready.wait()
-                if self.cfg.driver.load is not None:
-                    await self._restore(self.cfg.driver.load)
-                # version 1 on a fresh run; a resumed run re-stamps the checkpoint weights with their version
-                await self._push_weights(self.version or 1)
-                if self.start_step == 0 and self.evals.due(0):
-                    self.evals.dispatch(tg, steps_done=0, version=1)
-                    self.obs.eval_dispatched(0)
-                worker = tg.create_task(self._supervise_worker(), name="rollout-worker")
-                tg.create_task(run_adaptive(self, worker), name="adaptive-concurrency")  # `auto` only
-                try:
-                    await self._step_loop(tg, summary)
-                finally:
-                    worker.cancel()
-                    if serving is not None:
-                        serving.cancel()
+            await self._run_tasks(summary)
         except BaseException as e:
             error = primary_error(e)
             self._close_files(summary.steps, error)
             if error is e:
                 raise
-            raise error  # noqa: B904 - keep the primary error's own cause chain
-        self._close_files(summary.steps, None)
-        summary.version = self.version
-        summary.wall_s = time.monotonic() - t0
-        summary.ledger_counts = dict(self.ledger.counts)
-        return summary
+        else:
+            self._close_files(summary.steps, None)
+            summary.version = self.version
+            summary.wall_s = time.monotonic() - t0
+            summary.ledger_counts = dict(self.ledger.counts)
+            return summary
+        raise error  # out of the handler: the primary error keeps its own traceback, cause and context
+
+    async def _run_tasks(self, summary: RunSummary) -> None:
+        """The run's TaskGroup: sessions, restore, the initial push and eval point, the worker, the loop."""
+        async with paced_gc(), asyncio.TaskGroup() as tg:
+            # agent sessions (--custom-agent-function-path): serving before any rollout or eval starts
+            sessions, serving = self.ctx.sessions, None
+            if sessions is not None:
+                serving = tg.create_task(sessions.serve(), name="agent-sessions")
+                await sessions.ready.wait()
+            if self.cfg.driver.load is not None:
+                await self._restore(self.cfg.driver.load)
+            # version 1 on a fresh run; a resumed run re-stamps the checkpoint weights with their version
+            await self._push_weights(self.version or 1)
+            if self.start_step == 0 and self.evals.due(0):
+                self.evals.dispatch(tg, steps_done=0, version=1)
+                self.obs.eval_dispatched(0)
+            worker = tg.create_task(self._supervise_worker(), name="rollout-worker")
+            if self.adaptive is not None:
+                tg.create_task(self.adaptive.run(worker), name="adaptive-concurrency")
+            try:
+                await self._step_loop(tg, summary)
+            finally:
+                worker.cancel()
+                if serving is not None:
+                    serving.cancel()
 
     def _close_files(self, steps: int, error: BaseException | None) -> None:
         """Record the groups still open, close the ledger and the observer's files. The first error is
@@ -238,82 +300,108 @@ class Controller:
         if error is None:
             raise first
 
+    # -- the step loop --------------------------------------------------------------------------------
     async def _step_loop(self, tg: asyncio.TaskGroup, summary: RunSummary) -> None:
-        cfg, loop, wait_eval = self.cfg.driver, asyncio.get_running_loop(), self.evals.wait_before_push
-        n, first = cfg.num_rollout, self.start_step
-        self._next_drain = tg.create_task(self._drain(first), name=f"drain-{first}") if first < n else None
-        for step in range(first, n):
-            t_step = loop.time()
-            self.ledger.flush()  # the previous step's fates reach the file (a failed write raises here)
-            self.obs.begin_step(step, self.version)
-            assert self._next_drain is not None
-            if not await self._await_drain(self._next_drain):
-                await self._stop_now(step - 1)
-                return
-            batch = self._next_drain.result()
-            wait_data = loop.time() - t_step
-            self._next_drain = (
-                tg.create_task(self._drain(step + 1), name=f"drain-{step + 1}") if step + 1 < n else None
-            )
-            groups, key = [it.group for it in batch], self.cfg.train.reward_key
-            metrics = rollout_batch_metrics(groups, version=self.version, reward_key=key)
-            metrics |= self.source.get_metrics()
-            t_train = loop.time()
+        """The steps from `start_step` (the module docstring). A stop ends the loop between two steps:
+        during a step's wait for its batch (`_StopRequested`: the step never begins), or after the step
+        in progress (saved before its record); the newest finished step is saved, unless it is already."""
+        first = self.start_step
+        last = first - 1  # the newest finished step
+        self._next_drain = self._start_drain(tg, first)
+        try:
+            for step in range(first, self.cfg.driver.num_rollout):
+                await self._step(tg, step, summary)
+                last = step
+                if self._stop_pending(done=step + 1):
+                    raise _StopRequested  # requested during the step, which ended saved and logged
+        except _StopRequested:
+            await self._save_at_stop(last)
+
+    async def _step(self, tg: asyncio.TaskGroup, step: int, summary: RunSummary) -> None:
+        """One step; `_StopRequested` when a stop cancels the wait for its batch."""
+        done, clock = step + 1, StepClock(asyncio.get_running_loop().time)
+        self.ledger.flush()  # the previous step's fates reach the file (a failed write raises here)
+        self.obs.begin_step(step, self.version)
+        assert self._next_drain is not None
+        with clock.phase("wait_data"):
+            batch = await self._finish_drain(self._next_drain)
+        self._next_drain = self._start_drain(tg, done)
+        groups = [it.group for it in batch]
+        metrics = rollout_batch_metrics(groups, version=self.version, reward_key=self.cfg.train.reward_key)
+        metrics |= self.source.get_metrics()
+        with clock.phase("train"):
             metrics.update(await self.trainer.train(step, groups))
             self._weights_ahead = True  # trained weights not pushed yet: a checkpoint now is one version on
             for item in batch:
                 self.ledger.record("trained", item.group_index, step=step)
-            train_s = loop.time() - t_train
-            sync_s, eval_s, done, stopping = 0.0, 0.0, step + 1, False
-            if done % cfg.update_weights_interval == 0 or done == n:  # the run ends on pushed weights
-                if self._next_drain is not None:
-                    t_wait = loop.time()
-                    # one version per batch: drain first; a stop cancels that wait, and the step then ends
-                    # unpushed (the checkpoint keeps its weights, one version ahead) but logged
-                    stopping = not await self._await_drain(self._next_drain)
-                    wait_data += loop.time() - t_wait
-                if not stopping:
-                    eval_s += await wait_eval(steps_done=done)  # an eval point sees one version too
-                    t_sync = loop.time()
-                    await self._push_weights((self.version or 0) + 1)
-                    sync_s = loop.time() - t_sync
-            stopping = stopping or (self._stop.is_set() and done < n)
-            if stopping:
-                await self._stop_now(step)  # saved before its metrics record, as every saved step
-            elif cfg.save_interval and cfg.save and (done % cfg.save_interval == 0 or done == n):
-                await self.save(step)
-            if not stopping and self.evals.due(done):
-                eval_s += await wait_eval(steps_done=done)
-                self.evals.dispatch(tg, steps_done=done, version=self.version or 0)
-                self.obs.eval_dispatched(done)
-            if done == n:
-                eval_s += await wait_eval(steps_done=done)  # the last point lands in the last record
-            times = StepTimes(
-                step_s=loop.time() - t_step,
-                wait_data_s=wait_data,
-                train_s=train_s,
-                weight_sync_s=sync_s,
-                eval_s=eval_s,
-            )
-            metrics |= self._drained_metrics.pop(step) | self.accounting.step_metrics(
-                times, now=loop.time(), trained_tokens=int(metrics["rollout/tokens"])
-            )
-            metrics = await self.obs.end_step(
-                step,
-                groups,
-                metrics,
-                evals=self.evals.collect(),
-                times=times,
-                start=t_step,
-                train_start=t_train,
-            )
-            summary.steps, summary.last_metrics = step + 1, metrics
-            summary.step_times_s.append(times.step_s)
-            if stopping:
+        if self._push_due(done):  # the run ends on pushed weights
+            await self._push_after_barrier(done, clock)
+        stopping = self._stop_pending(done)
+        if stopping:
+            await self._save_at_stop(step)  # saved before its metrics record, as every saved step
+        elif self._save_due(done):
+            await self.save(step)
+        if not stopping and self.evals.due(done):
+            with clock.phase("eval"):
+                await self.evals.wait_before_push(steps_done=done)
+            self.evals.dispatch(tg, steps_done=done, version=self.version or 0)
+            self.obs.eval_dispatched(done)
+        if done == self.cfg.driver.num_rollout:
+            with clock.phase("eval"):
+                await self.evals.wait_before_push(steps_done=done)  # the last point lands in the last record
+        await self._record(step, groups, metrics, clock, summary)
+
+    async def _push_after_barrier(self, done: int, clock: StepClock) -> None:
+        """Push the weights trained by `done` steps once every version is whole: the next step's batch is
+        drained (at the current version) and the eval point in flight finished on the current weights.
+        A stop that cancels that drain skips the push: the step ends unpushed (its checkpoint keeps the
+        trained weights, one version ahead), then is saved and logged."""
+        if self._next_drain is not None:
+            try:
+                with clock.phase("wait_data"):
+                    await self._finish_drain(self._next_drain)
+            except _StopRequested:
                 return
-            if self._stop.is_set() and done < n:  # requested while the record was written
-                await self._stop_now(step)
-                return
+        with clock.phase("eval"):
+            await self.evals.wait_before_push(steps_done=done)
+        with clock.phase("weight_sync"):
+            await self._push_weights((self.version or 0) + 1)
+
+    async def _record(
+        self, step: int, groups: list[Group], metrics: dict[str, float], clock: StepClock, summary: RunSummary
+    ) -> None:
+        """The step's record: its metrics, its drain's buffer window, perf/* from its clock, eval points."""
+        times = clock.times()
+        metrics |= self._drained_metrics.pop(step) | self.accounting.step_metrics(
+            times, now=asyncio.get_running_loop().time(), trained_tokens=int(metrics["rollout/tokens"])
+        )
+        metrics = await self.obs.end_step(
+            step,
+            groups,
+            metrics,
+            evals=self.evals.collect(),
+            times=times,
+            start=clock.start,
+            train_start=clock.began["train"],
+        )
+        summary.steps, summary.last_metrics = step + 1, metrics
+        summary.step_times_s.append(times.step_s)
+
+    def _push_due(self, done: int) -> bool:
+        """Every --update-weights-interval steps, and after the last one."""
+        d = self.cfg.driver
+        return done % d.update_weights_interval == 0 or done == d.num_rollout
+
+    def _save_due(self, done: int) -> bool:
+        """With --save and --save-interval: every interval, and after the last step."""
+        d = self.cfg.driver
+        if not d.save_interval or d.save is None:
+            return False
+        return done % d.save_interval == 0 or done == d.num_rollout
+
+    def _stop_pending(self, done: int) -> bool:
+        """A stop was requested and steps remain (a stop during the last step is just the end)."""
+        return self._stop.is_set() and done < self.cfg.driver.num_rollout
 
     @property
     def last_checkpoint_step(self) -> int | None:
@@ -330,31 +418,39 @@ class Controller:
         if self._next_drain is not None:
             self._next_drain.cancel()  # waiting for data ends now; what it drained is kept for the save
 
-    async def _await_drain(self, drain: asyncio.Task[list[BufferItem]]) -> bool:
-        """Wait for a drain; False if `request_stop()` cancelled it (its groups stay in `_draining`)."""
-        try:
-            await drain
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if self._stop.is_set() and drain.cancelled() and task is not None and not task.cancelling():
-                return False
-            raise
-        return True
-
-    async def _stop_now(self, last_step: int) -> None:
+    async def _save_at_stop(self, last_step: int) -> None:
+        """The run stops after `last_step`: save it (with --save), unless it is saved already."""
         self.stopped = True
         if self.cfg.driver.save is not None and last_step >= 0 and last_step != self._saved_step:
             await self.save(last_step)
 
+    # -- the producer and the drains -------------------------------------------------------------------
     async def _supervise_worker(self) -> None:
-        """Run the worker; keep its error for the drain (loud, with the original traceback)."""
+        """Run the worker; keep its error for the drain, which re-raises it (with its own traceback)."""
         try:
             await self.worker.run()
         except Exception as e:
-            self._worker_error = primary_error(e) if isinstance(e, BaseExceptionGroup) else e
+            self._worker_error = primary_error(e)  # its siblings (other groups that raised) become notes
             log.error("rollout worker died", error=repr(self._worker_error))
         finally:
             self.buffer.close()
+
+    def _start_drain(self, tg: asyncio.TaskGroup, step: int) -> asyncio.Task[list[BufferItem]] | None:
+        """Start draining `step`'s batch (one step ahead of training); None past the last step."""
+        if step >= self.cfg.driver.num_rollout:
+            return None
+        return tg.create_task(self._drain(step), name=f"drain-{step}")
+
+    async def _finish_drain(self, drain: asyncio.Task[list[BufferItem]]) -> list[BufferItem]:
+        """The drain's batch; `_StopRequested` if `request_stop()` cancelled it (what it had taken stays
+        in `_draining`, for the checkpoint)."""
+        try:
+            return await drain
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._stop.is_set() and drain.cancelled() and task is not None and not task.cancelling():
+                raise _StopRequested from None
+            raise
 
     async def _drain(self, step: int) -> list[BufferItem]:
         """Take rollout_batch_size groups from the buffer for `step`, sorted by sample index."""
@@ -362,7 +458,7 @@ class Controller:
         batch = self._draining  # kept on self: a stop that cancels this drain saves what it holds
         while self._carry and len(batch) < need:  # restored from a checkpoint: drained, never trained
             item = self._carry.pop(0)
-            self.worker.on_consumed(item.group_index)
+            self._consumed(item)
             batch.append(item)
         while len(batch) < need:
             self._raise_if_worker_died(step)
@@ -375,24 +471,36 @@ class Controller:
                     step=step,
                     have=len(batch),
                     need=need,
-                    in_flight_groups=self.worker.state.in_flight_groups,
+                    in_flight_groups=self.gate.state.in_flight_groups,
                 )
                 continue
             except BufferClosed:
-                self._raise_if_worker_died(step)
-                raise
-            self.worker.on_consumed(item.group_index)
+                if self._worker_error is None:
+                    raise
+                continue  # the worker died: its error is raised at the top, outside this handler
+            self._consumed(item)
             batch.append(item)
         self._draining = []
         self._drained_metrics[step] = self.buffer.get_metrics()  # consumed staleness etc. of this batch
         return sorted(batch, key=lambda it: min(s.index for s in it.group))
 
-    def _raise_if_worker_died(self, step: int) -> None:
-        if self._worker_error is not None:
-            raise RolloutWorkerDied(f"the rollout worker died before step {step}'s batch was complete") from (
-                self._worker_error
-            )
+    def _consumed(self, item: BufferItem) -> None:
+        """A group drained for training: admission counts it consumed, its recycle count is done with."""
+        self.gate.on_consumed(item.group_index)
+        self.fates.forget(item.group_index)
 
+    def _raise_if_worker_died(self, step: int) -> None:
+        """Raise the dead worker's own error (the user's exception, say): this batch can never be
+        complete. A note names the step; the traceback is the worker's."""
+        error = self._worker_error
+        if error is None:
+            return
+        note = f"raised in the rollout worker, which died before step {step}'s batch was complete"
+        if note not in getattr(error, "__notes__", ()):
+            error.add_note(note)
+        raise error
+
+    # -- weights and checkpoints -----------------------------------------------------------------------
     async def _push_weights(self, version: int) -> None:
         """pause → flush (unless in_place) → transfer → stamp the version → continue → publish."""
         mode, tr = self.cfg.driver.pause_generation_mode, self.tracer
@@ -414,18 +522,13 @@ class Controller:
                 fault_point("push:continued")  # the engines generate with it; the controller not told yet
         self._weights_ahead = False
         self.version = version
-        self.worker.publish_version(version)
+        self.gate.publish_version(version)
         self.obs.version_pushed(version)
 
     async def save(self, step: int) -> None:
         """Trainer state plus everything the controller needs to resume without losing a group."""
         assert self.cfg.driver.save is not None
-        # The batch for step+1 may be half-drained: finish it so that it is saved whole, as `carry`
-        # (unless stopping: then whatever the cancelled drain had taken is the carry).
-        drain = self._next_drain
-        if drain is not None and (drain.cancelled() or not await self._await_drain(drain)):
-            drain = None
-        carry = list(drain.result()) if drain is not None else list(self._draining)
+        carry = await self._batch_to_carry()
         # The commit order (see miles_aio.checkpoint): every file, fsynced, then `latest` last. A crash
         # or a failed write at any point before `latest` leaves the previous checkpoint the resumable one.
         save_dir = self.cfg.driver.save
@@ -454,6 +557,17 @@ class Controller:
         fault_point("save:latest_published")
         self._saved_step = step
         log.info("saved checkpoint", step=step, path=str(directory))
+
+    async def _batch_to_carry(self) -> list[BufferItem]:
+        """The next step's batch, saved as `carry`: its drain finished first, so that it is saved whole
+        (unless a stop cancelled it: then whatever the drain had taken)."""
+        drain = self._next_drain
+        if drain is not None and not drain.cancelled():
+            try:
+                return list(await self._finish_drain(drain))
+            except _StopRequested:
+                pass
+        return list(self._draining)
 
     async def _restore(self, load: Path) -> None:
         """Continue from a checkpoint: weights, data position, buffered, drained and in-flight groups."""

@@ -4,13 +4,14 @@
     python -m miles_aio.docgen --check    # exit 1 if the committed file differs (tests/docs does this)
 
 Every flag of every recipe, with its default and help, comes from `miles_aio.cli.build_parser` (the
-config dataclasses' field metadata), the recipe runner's own flags and each recipe's `add_arguments`;
-each recipe's defaults come from its `RECIPE.defaults`.
+config dataclasses' field metadata), the recipe runner's own flags and each recipe's `options`
+dataclass; each recipe's defaults come from its `RECIPE.defaults` and `RECIPE.defaults_when`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import pkgutil
 import sys
@@ -19,16 +20,16 @@ from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
-from miles_aio.cli import _show
+from miles_aio.cli import _show, add_flags, shown_default
 from miles_aio.config import RunConfig, flag
-from miles_aio.recipe import Recipe, RunParts, _parser
+from miles_aio.recipe import Recipe, RecipeArgs, RunParts, _parser
 
 __all__ = ["all_option_strings", "flags_markdown", "main", "recipe_modules", "recipe_parser"]
 
 OUTPUT = Path("docs/reference/flags.md")
 
 
-def _no_build(cfg: RunConfig, ns: argparse.Namespace) -> AbstractAsyncContextManager[RunParts]:
+def _no_build(cfg: RunConfig, args: RecipeArgs[Any]) -> AbstractAsyncContextManager[RunParts]:
     raise NotImplementedError
 
 
@@ -47,11 +48,11 @@ def recipe_modules() -> list[Any]:
     return [m for m in mods if isinstance(getattr(m, "RECIPE", None), Recipe)]
 
 
-def _recipe_only_parser(recipe: Recipe) -> argparse.ArgumentParser | None:
-    if recipe.add_arguments is None:
+def _recipe_only_parser(recipe: Recipe[Any]) -> argparse.ArgumentParser | None:
+    if not dataclasses.fields(recipe.options):
         return None
     parser = argparse.ArgumentParser(add_help=False)
-    recipe.add_arguments(parser)
+    add_flags(parser.add_argument_group(recipe.name), recipe.options)
     return parser
 
 
@@ -71,6 +72,8 @@ def _cell(text: str) -> str:
 def _default(action: argparse.Action) -> str:
     if action.required:
         return "required"
+    if (shown := shown_default(action)) != _show(action.default):  # derived from other flags
+        return _cell(shown)
     if action.default is None:
         return "off"
     if isinstance(action.default, list | tuple):
@@ -80,8 +83,7 @@ def _default(action: argparse.Action) -> str:
 
 def _help(action: argparse.Action) -> str:
     text = action.help or ""
-    suffix = f" (default: {_show(action.default)})"
-    return text.removesuffix(suffix)
+    return text.removesuffix(f" (default: {shown_default(action)})")
 
 
 def _table(actions: Sequence[argparse.Action]) -> list[str]:
@@ -125,7 +127,7 @@ def flags_markdown() -> str:
     if extra:
         lines += ["## Recipe-specific flags", ""]
         for recipe, parser in extra:
-            users = [m.RECIPE.name for m in mods if m.RECIPE.add_arguments is recipe.add_arguments]
+            users = [m.RECIPE.name for m in mods if m.RECIPE.options is recipe.options]
             if users[0] != recipe.name:
                 continue
             lines += [f"### {', '.join(f'`{u}`' for u in users)}", ""]
@@ -134,11 +136,15 @@ def flags_markdown() -> str:
     if mods:
         lines += ["## Recipe defaults", "", "What each recipe sets instead of the defaults above.", ""]
         for m in mods:
-            r: Recipe = m.RECIPE
+            r: Recipe[Any] = m.RECIPE
             lines += [f"### `{r.name}`", "", _cell(r.description), "", "| flag | value |", "|---|---|"]
             for name, value in r.defaults.items():
                 shown = " ".join(map(str, value)) if isinstance(value, tuple | list) else value
                 lines.append(f"| `{flag(name)}` | `{shown}` |")
+            for when in r.defaults_when:
+                cond = ", ".join(f"`{flag(k)} {_show(v)}`" for k, v in when.when.items())
+                for name, value in when.defaults.items():
+                    lines.append(f"| `{flag(name)}` | `{_show(value)}` with {cond} |")
             lines.append("")
     return "\n".join(lines).rstrip() + "\n"
 

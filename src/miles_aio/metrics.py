@@ -83,8 +83,9 @@ def rollout_batch_metrics(
     statuses, the share of response tokens the model generated (loss_mask 1; the rest is context such as
     tool output, at loss_mask 0).
 
-    `train_staleness_*` is measured against the policy about to be trained on the batch (`version`),
-    which is one push later than the drain-time staleness in rollout/fully_async/* under prefetch.
+    `train_staleness_*` (train staleness) is measured against the policy about to be trained on the batch
+    (`version`), which is one push later than the drain-time consume staleness in rollout/fully_async/*
+    under prefetch; absent, not 0, when no group's staleness is known (no version yet).
     """
     samples = [s for g in batch for s in g]
     groups = list(batch)
@@ -94,24 +95,26 @@ def rollout_batch_metrics(
     stale = [st for g in groups if (st := group_staleness(g, version)) is not None]
     n = max(1, len(samples))
     hist = token_staleness_histogram(samples, version=version)
-    return hist | {
+    metrics = hist | {
         "rollout/reward": sum(rewards) / len(rewards) if rewards else 0.0,
         "rollout/response_len": sum(lengths) / n,
         "rollout/truncated_ratio": sum(s.status == Status.TRUNCATED for s in samples) / n,
         "rollout/samples": float(len(samples)),
         "rollout/tokens": float(sum(lengths)),
         "rollout/model_token_ratio": model_tokens / sum(lengths) if sum(lengths) else 0.0,
-        "rollout/train_staleness_mean": sum(stale) / len(stale) if stale else 0.0,
-        "rollout/train_staleness_max": float(max(stale, default=0)),
     }
+    if stale:  # unknown staleness is absent, never 0
+        metrics["rollout/train_staleness_mean"] = sum(stale) / len(stale)
+        metrics["rollout/train_staleness_max"] = float(max(stale))
+    return metrics
 
 
 def brief(metrics: dict[str, float]) -> dict[str, float]:
-    """The few numbers worth a log line per step."""
-    keys = (
-        "rollout/reward",
-        "rollout/fully_async/avg_staleness",
-        "perf/step_time_s",
-        "rollout/fully_async/queue_size",
-    )
-    return {k.rsplit("/", 1)[-1]: round(metrics[k], 4) for k in keys if k in metrics}
+    """The few numbers worth a log line per step (staleness: the consume staleness, at drain time)."""
+    keys = {
+        "rollout/reward": "reward",
+        "rollout/fully_async/avg_staleness": "consume_staleness",
+        "perf/step_time_s": "step_time_s",
+        "rollout/fully_async/queue_size": "queue_size",
+    }
+    return {name: round(metrics[k], 4) for k, name in keys.items() if k in metrics}

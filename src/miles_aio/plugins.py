@@ -2,46 +2,17 @@
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from miles_aio.errors import ConfigError, PluginError
+from miles_aio.import_paths import IMPORTABLE, load_object, require_coroutine_function
 
 if TYPE_CHECKING:
     from miles_aio.config import RunConfig
 
-__all__ = ["Plugins", "load_object", "require_coroutine_function", "resolve_plugins"]
-
-
-def load_object(path: str) -> Any:
-    """Import `pkg.mod:attr` (or `pkg.mod.attr`) and return the attribute; PluginError names the path."""
-    if ":" in path:
-        module_name, _, attr_path = path.partition(":")
-    else:
-        module_name, _, attr_path = path.rpartition(".")
-    if not module_name or not attr_path:
-        raise PluginError(f"{path!r} is not an import path of the form pkg.mod:attr")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as e:
-        raise PluginError(f"cannot import module {module_name!r} of {path!r}: {e}") from e
-    for part in attr_path.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError as e:
-            raise PluginError(f"{path!r}: module {module_name!r} has no attribute {attr_path!r}") from e
-    return obj
-
-
-def require_coroutine_function(path: str) -> Any:
-    """Load `path` and check that it is an `async def` function (rollout and reward plug-ins are)."""
-    fn = load_object(path)
-    if not inspect.iscoroutinefunction(fn):
-        raise PluginError(f"{path!r} must be an `async def` function, got {type(fn).__name__}")
-    return fn
-
+__all__ = ["IMPORTABLE", "Plugins", "load_object", "require_coroutine_function", "resolve_plugins"]
 
 # -- the run's plug-ins, resolved once before anything starts ------------------------------------------
 
@@ -82,6 +53,9 @@ def resolve_plugins(cfg: RunConfig) -> Plugins:
                 "(every abstract method of miles_aio.buffer.DataBuffer is needed)",
                 flags=["--custom-async-data-buffer-path"],
             )
+        from miles_aio.observability.buffer_staleness import with_staleness_metrics
+
+        buffer_cls = with_staleness_metrics(buffer_cls)  # consume staleness even if the buffer reports none
     filter_fn = None
     if r.dynamic_sampling_filter_path:
         filter_fn = load(r.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path", coroutine=False)

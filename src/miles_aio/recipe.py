@@ -1,8 +1,13 @@
 """What every `python -m recipes.<name>` shares: flags, validation, `--dry-run`, logging, the run.
 
-A recipe supplies its defaults and a `build` coroutine-context that starts its engines and trainer;
-`main()` does the rest. Order matters: every flag is parsed and validated and every plug-in resolved
-before `build` starts any process, so a bad config exits 2 having started nothing.
+A recipe supplies its defaults, its own flags (a dataclass of `opt` fields, `Recipe.options`) and a
+`build` coroutine-context that starts its engines and trainer; `main()` does the rest. Order matters:
+every flag is parsed and validated, the config resolved and every plug-in resolved before `build`
+starts any process, so a bad config exits 2 having started nothing.
+
+Every callback gets the run's resolved `RunConfig` and a typed `RecipeArgs` (the recipe's options and
+the SGLang passthrough arguments), never the argparse namespace: `parse_recipe` is the one path from
+the command line to both.
 """
 
 from __future__ import annotations
@@ -21,13 +26,23 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Generic, Literal, TypeVar, cast
 
 import structlog
 
 from miles_aio.checkpoint import has_checkpoint, latest_checkpoint
-from miles_aio.cli import build_parser, config_error_exit, config_from_namespace
-from miles_aio.config import RunConfig
+from miles_aio.cli import (
+    DefaultsWhen,
+    FlagParser,
+    add_flags,
+    apply_defaults_when,
+    build_parser,
+    component_from_values,
+    config_error_exit,
+    config_from_values,
+    parse_flags,
+)
+from miles_aio.config import RunConfig, log_config_warnings, resolve
 from miles_aio.controller import Controller, RunSummary
 from miles_aio.data.source import DataSource, PromptRecord, read_prompt_jsonl
 from miles_aio.errors import ConfigError
@@ -44,7 +59,17 @@ from miles_aio.plugins import Plugins, resolve_plugins
 from miles_aio.rollout.context import Tokenizer
 from miles_aio.trainer.base import Trainer
 
-__all__ = ["Recipe", "RunParts", "main", "open_run_parts"]
+__all__ = [
+    "DefaultsWhen",
+    "NoOptions",
+    "ParsedRecipe",
+    "Recipe",
+    "RecipeArgs",
+    "RunParts",
+    "main",
+    "open_run_parts",
+    "parse_recipe",
+]
 
 log = structlog.get_logger("miles_aio.recipe")
 
@@ -56,35 +81,71 @@ class RunParts:
     engine: InferenceEngine
     trainer: Trainer
     tokenizer: Tokenizer | None
-    num_engines: int = 1
     model_path: Path | None = None
     """The initial HF model directory (dedicated eval engines, eval mode 2, start from it)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Recipe:
+class NoOptions:
+    """The options of a recipe with no flags of its own."""
+
+
+OptionsT = TypeVar("OptionsT")
+OptionsT_co = TypeVar("OptionsT_co", covariant=True)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RecipeArgs(Generic[OptionsT_co]):
+    """What a recipe's callbacks get besides the RunConfig."""
+
+    options: OptionsT_co
+    """The recipe's own flags, parsed and validated: an instance of its `Recipe.options` dataclass."""
+    sglang_args: tuple[str, ...] = ()
+    """`--sglang-<flag> [value]` as `--<flag> [value]`, for every SGLang server the run launches."""
+    eval_sglang_args: tuple[str, ...] = ()
+    """The same for the dedicated eval engines, with `--eval-sglang-<flag>` overrides."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Recipe(Generic[OptionsT]):
     name: str
     description: str
     defaults: Mapping[str, Any]
-    build: Callable[[RunConfig, argparse.Namespace], AbstractAsyncContextManager[RunParts]]
+    """Config defaults by field name: set one only for a flag the recipe means to pin; a derived default
+    (e.g. --global-batch-size: every sample of a rollout) stays derived unless the user sets the flag."""
+    build: Callable[[RunConfig, RecipeArgs[OptionsT]], AbstractAsyncContextManager[RunParts]]
     """Start engines and trainer for the config; stop them (all of them, always) on exit."""
-    add_arguments: Callable[[argparse.ArgumentParser], None] | None = None
-    """Recipe-specific flags (they show in --help with the rest)."""
-    prompts: Callable[[RunConfig, argparse.Namespace], list[PromptRecord]] | None = None
+    options: type[OptionsT] = NoOptions  # type: ignore[assignment]  # a recipe without flags of its own
+    """A frozen dataclass of the recipe's own flags (`miles_aio.config.opt` fields, one flag each, shown
+    in --help with the rest; `__post_init__` validates them, raising ConfigError)."""
+    defaults_when: Sequence[DefaultsWhen] = ()
+    """Defaults that hold only while other flags have given values (e.g. a TP size for megatron)."""
+    prompts: Callable[[RunConfig, RecipeArgs[OptionsT]], list[PromptRecord]] | None = None
     """Built-in prompt data, used when --prompt-data is not given."""
-    prepare: Callable[[RunConfig, argparse.Namespace], None] | None = None
+    prepare: Callable[[RunConfig, RecipeArgs[OptionsT]], None] | None = None
     """Synchronous set-up before the event loop starts (e.g. building a model); not run by --dry-run."""
-    eval_prompts: Callable[[RunConfig, argparse.Namespace], dict[str, list[PromptRecord]]] | None = None
+    eval_prompts: Callable[[RunConfig, RecipeArgs[OptionsT]], dict[str, list[PromptRecord]]] | None = None
     """Built-in eval datasets, used when --eval-prompt-data is not given."""
-    plan: Callable[[RunConfig, argparse.Namespace], dict[str, Any]] | None = None
+    plan: Callable[[RunConfig, RecipeArgs[OptionsT]], dict[str, Any]] | None = None
     """Extra lines for the --dry-run plan (processes, engines, devices)."""
     checkpoints_in_run_dir: bool = False
     """Without --save, checkpoint to <run-dir>/checkpoints (every --save-interval steps and at the end)."""
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParsedRecipe(Generic[OptionsT]):
+    """A recipe's command line, parsed, validated and resolved (`parse_recipe`)."""
+
+    cfg: RunConfig
+    args: RecipeArgs[OptionsT]
+    dry_run: bool = False
+    log_format: Literal["console", "json"] = "console"
+    log_level: str = "INFO"
+
+
 @asynccontextmanager
 async def open_run_parts(
-    cfg: RunConfig, ns: argparse.Namespace, *, model_path: Path
+    cfg: RunConfig, args: RecipeArgs[object], *, model_path: Path
 ) -> AsyncIterator[RunParts]:
     """The usual `Recipe.build`: rollout engines (`--rollout-backend`) and trainer ranks on `model_path`,
     with its tokenizer. SGLang engines go on the GPUs after the trainer's."""
@@ -99,25 +160,22 @@ async def open_run_parts(
     )
     async with (
         open_engines(
-            cfg, model_path=model_path, gpu_offset=trainer_gpus, sglang_args=ns.sglang_args
+            cfg, model_path=model_path, gpu_offset=trainer_gpus, sglang_args=args.sglang_args
         ) as router,
         TrainerActor.open(
             dataclasses.replace(t, hf_checkpoint=model_path), cfg, run_dir=cfg.run_dir
         ) as trainer,
     ):
         tokenizer = cast("Tokenizer", AutoTokenizer.from_pretrained(model_path))
-        yield RunParts(
-            engine=router,
-            trainer=trainer,
-            tokenizer=tokenizer,
-            num_engines=cfg.engine.num_engines,
-            model_path=model_path,
-        )
+        yield RunParts(engine=router, trainer=trainer, tokenizer=tokenizer, model_path=model_path)
 
 
-def _parser(recipe: Recipe) -> argparse.ArgumentParser:
+def _parser(recipe: Recipe[Any]) -> FlagParser:
     parser = build_parser(
-        f"python -m recipes.{recipe.name}", description=recipe.description, defaults=recipe.defaults
+        f"python -m recipes.{recipe.name}",
+        description=recipe.description,
+        defaults=recipe.defaults,
+        defaults_when=recipe.defaults_when,
     )
     general = parser.add_argument_group("run")
     general.add_argument(
@@ -125,8 +183,8 @@ def _parser(recipe: Recipe) -> argparse.ArgumentParser:
     )
     general.add_argument("--log-format", choices=["console", "json"], default="console", help="Log renderer.")
     general.add_argument("--log-level", default="INFO", help="Log level (default: INFO).")
-    if recipe.add_arguments is not None:
-        recipe.add_arguments(parser)
+    if dataclasses.fields(recipe.options):
+        add_flags(parser.add_argument_group(recipe.name), recipe.options)
     parser.epilog = (
         "SGLang passthrough: --sglang-<flag> [value] is given to every SGLang server this run launches "
         "as --<flag> [value]; --eval-sglang-<flag> [value] overrides or adds --<flag> for the dedicated "
@@ -161,20 +219,54 @@ def sglang_passthrough(
     return [a for g in rollout for a in g], [a for g in kept + overrides for a in g]
 
 
-def load_records(cfg: RunConfig, recipe: Recipe, ns: argparse.Namespace) -> list[PromptRecord]:
+def parse_recipe(
+    recipe: Recipe[OptionsT],
+    argv: Sequence[str] | None = None,
+    *,
+    parser: argparse.ArgumentParser | None = None,
+) -> ParsedRecipe[OptionsT]:
+    """The command line as the run's resolved RunConfig and the recipe's typed arguments: flags, then
+    the recipe's conditional defaults for the flags not given, then validation (ConfigError naming the
+    flags), then `miles_aio.config.resolve`. Starts nothing, writes nothing; argparse errors exit 2."""
+    parser = _parser(recipe) if parser is None else parser
+    flags = apply_defaults_when(parse_flags(parser, argv, known_only=True), recipe.defaults_when)
+    sglang_args, eval_sglang_args = sglang_passthrough(parser, flags.unknown)
+    values = flags.values
+    run_dir = values["run_dir"] or Path("runs") / f"{recipe.name}-{dt.datetime.now():%Y%m%d-%H%M%S}"
+    if recipe.checkpoints_in_run_dir and values["save"] is None:
+        values = {**values, "save": run_dir / "checkpoints"}
+    cfg = resolve(config_from_values(values, run_dir=run_dir))
+    args = RecipeArgs(
+        options=component_from_values(recipe.options, values),
+        sglang_args=tuple(sglang_args),
+        eval_sglang_args=tuple(eval_sglang_args),
+    )
+    return ParsedRecipe(
+        cfg=cfg,
+        args=args,
+        dry_run=values["dry_run"],
+        log_format=values["log_format"],
+        log_level=values["log_level"],
+    )
+
+
+def load_records(cfg: RunConfig, recipe: Recipe[OptionsT], args: RecipeArgs[OptionsT]) -> list[PromptRecord]:
     if cfg.data.prompt_data is not None:
         return read_prompt_jsonl(cfg.data.prompt_data, cfg.data)
     if recipe.prompts is None:
         raise ConfigError("this recipe has no built-in prompts; give a JSONL file", flags=["--prompt-data"])
-    return recipe.prompts(cfg, ns)
+    return recipe.prompts(cfg, args)
 
 
 def load_eval_datasets(
-    cfg: RunConfig, recipe: Recipe, ns: argparse.Namespace
+    cfg: RunConfig, recipe: Recipe[OptionsT], args: RecipeArgs[OptionsT]
 ) -> dict[str, list[PromptRecord]]:
     if cfg.eval.datasets:
-        return {name: read_prompt_jsonl(path, cfg.data) for name, path in cfg.eval.datasets.items()}
-    return recipe.eval_prompts(cfg, ns) if recipe.eval_prompts is not None else {}
+        return {
+            name: read_prompt_jsonl(path, cfg.data, flag="--eval-prompt-data")
+            for name, path in cfg.eval.datasets.items()
+        }
+    return recipe.eval_prompts(cfg, args) if recipe.eval_prompts is not None else {}
 
 
 def check_writable_dir(path: Path, flag: str) -> None:
@@ -197,7 +289,9 @@ def check_writable_dir(path: Path, flag: str) -> None:
         ) from None
 
 
-def describe_plan(cfg: RunConfig, recipe: Recipe, ns: argparse.Namespace, n_prompts: int) -> dict[str, Any]:
+def describe_plan(
+    cfg: RunConfig, recipe: Recipe[OptionsT], args: RecipeArgs[OptionsT], n_prompts: int
+) -> dict[str, Any]:
     r, s, b, d, o = cfg.rollout, cfg.scheduler, cfg.buffer, cfg.driver, cfg.observability
     plan: dict[str, Any] = {
         "recipe": recipe.name,
@@ -207,7 +301,7 @@ def describe_plan(cfg: RunConfig, recipe: Recipe, ns: argparse.Namespace, n_prom
         "batch": {
             "groups_per_step": r.rollout_batch_size,
             "samples_per_group": r.n_samples_per_prompt,
-            "samples_per_step": r.rollout_batch_size * r.n_samples_per_prompt,
+            "samples_per_step": cfg.samples_per_step,
         },
         "scheduler": {
             "max_in_flight_samples": cfg.max_in_flight_samples,
@@ -231,34 +325,30 @@ def describe_plan(cfg: RunConfig, recipe: Recipe, ns: argparse.Namespace, n_prom
         },
     }
     if recipe.plan is not None:
-        plan.update(recipe.plan(cfg, ns))
+        plan.update(recipe.plan(cfg, args))
     return plan
 
 
-def main(recipe: Recipe, argv: Sequence[str] | None = None) -> RunSummary | None:
-    """Parse, validate (exit 2 on error), then either print the plan (--dry-run) or run."""
+def main(recipe: Recipe[OptionsT], argv: Sequence[str] | None = None) -> RunSummary | None:
+    """Parse, validate and resolve (exit 2 on error), then either print the plan (--dry-run) or run."""
     parser = _parser(recipe)
-    ns, unknown = parser.parse_known_args(argv)
-    ns.sglang_args, ns.eval_sglang_args = sglang_passthrough(parser, unknown)
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    run_dir = ns.run_dir or Path("runs") / f"{recipe.name}-{stamp}"
-    if recipe.checkpoints_in_run_dir and ns.save is None:
-        ns.save = run_dir / "checkpoints"
     try:
-        cfg = config_from_namespace(ns, run_dir=run_dir)
-        check_in_place_prefix_cache(cfg, ns.sglang_args)
+        parsed = parse_recipe(recipe, argv, parser=parser)
+        cfg, args = parsed.cfg, parsed.args
+        check_in_place_prefix_cache(cfg, args.sglang_args)
         plugins = resolve_plugins(cfg)
         resolve_log_hooks(cfg)  # a bad --custom-*-log-function-path exits 2 before anything starts
         if cfg.eval.eval_function_path:
             eval_fn_class(cfg)  # likewise a bad --eval-function-path
-        records = load_records(cfg, recipe, ns)
-        eval_datasets = load_eval_datasets(cfg, recipe, ns)
+        records = load_records(cfg, recipe, args)
+        eval_datasets = load_eval_datasets(cfg, recipe, args)
         check_writable_dir(cfg.run_dir, "--run-dir")
         if cfg.driver.save is not None:  # found at the first save otherwise, after the run's first steps
             check_writable_dir(cfg.driver.save, "--save")
     except ConfigError as e:
         config_error_exit(parser, e)
-    configure_logging(ns.log_format, ns.log_level)
+    configure_logging(parsed.log_format, parsed.log_level)
+    log_config_warnings(cfg)  # once, here: validation itself never logs
     d = cfg.driver
     if d.load is not None and not has_checkpoint(d.load):
         # miles' `--load X --save X` on its first run starts fresh; any other --load without a checkpoint
@@ -268,8 +358,8 @@ def main(recipe: Recipe, argv: Sequence[str] | None = None) -> RunSummary | None
             config_error_exit(parser, ConfigError(what, flags=["--load", "--save"]))
         log.warning("no checkpoint under --load (= --save) yet: starting fresh", load=str(d.load))
         cfg = cfg.replace(driver=dataclasses.replace(d, load=None))
-    if ns.dry_run:
-        plan = describe_plan(cfg, recipe, ns, len(records))
+    if parsed.dry_run:
+        plan = describe_plan(cfg, recipe, args, len(records))
         plan["eval"] = {name: len(recs) for name, recs in eval_datasets.items()} | {
             "interval": cfg.driver.eval_interval
         }
@@ -277,17 +367,17 @@ def main(recipe: Recipe, argv: Sequence[str] | None = None) -> RunSummary | None
         return None
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     if recipe.prepare is not None:
-        recipe.prepare(cfg, ns)
+        recipe.prepare(cfg, args)
     try:
-        return asyncio.run(_run(recipe, cfg, ns, plugins, records, eval_datasets))
+        return asyncio.run(_run(recipe, cfg, args, plugins, records, eval_datasets))
     except ConfigError as e:  # found once engines answer (e.g. what servers given by URL run with)
         config_error_exit(parser, e)
 
 
 async def _run(
-    recipe: Recipe,
+    recipe: Recipe[OptionsT],
     cfg: RunConfig,
-    ns: argparse.Namespace,
+    args: RecipeArgs[OptionsT],
     plugins: Plugins,
     records: list[PromptRecord],
     eval_datasets: dict[str, list[PromptRecord]],
@@ -302,9 +392,9 @@ async def _run(
     stopper = _Stopper()  # from here on: a signal while engines start or stop still tears them down
     try:
         async with (
-            recipe.build(cfg, ns) as parts,
+            recipe.build(cfg, args) as parts,
             open_eval_engines(
-                cfg, model_path=parts.model_path, trainer=parts.trainer, sglang_args=ns.eval_sglang_args
+                cfg, model_path=parts.model_path, trainer=parts.trainer, sglang_args=args.eval_sglang_args
             ) as eval_engine,
         ):
             controller = Controller(
@@ -314,7 +404,7 @@ async def _run(
                 source=source,
                 plugins=plugins,
                 tokenizer=parts.tokenizer,
-                num_engines=parts.num_engines,
+                num_engines=cfg.engine.num_engines,
                 sinks=[ProgressSink(cfg.driver.num_rollout)],
                 eval_datasets=eval_datasets,
                 eval_engine=eval_engine,
@@ -330,7 +420,7 @@ async def _run(
         raise
     finally:
         stopper.remove()
-    pngs = plot_run(cfg.run_dir)
+    pngs = plot_run(cfg.run_dir, buffer=cfg.buffer.custom_async_data_buffer_path)
     log.info(
         "run finished",
         steps=summary.steps,

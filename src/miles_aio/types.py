@@ -67,7 +67,10 @@ class GenerateOutput:
     single `meta_info.weight_version` when weights did not change during the request)."""
     finish_reason: FinishReason
     prompt_tokens: int = 0
+    """The request's prompt length (of a partial-rollout generation: the first piece's)."""
     cached_tokens: int = 0
+    """Prompt tokens served from the engine's prefix cache (`meta_info.cached_tokens`; 0 when the
+    engine does not say), summed over the pieces of a partial-rollout generation."""
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -104,6 +107,10 @@ class Sample:
     weight_versions: list[int | None] = field(default_factory=list)
     status: Status = Status.PENDING
     metadata: dict[str, Any] = field(default_factory=dict)
+    cached_tokens: int = 0
+    """Prompt tokens the engine served from its prefix cache (SGLang's `meta_info.cached_tokens`), summed
+    over every engine call `append`ed: each turn of a multi-turn rollout and each partial-rollout
+    continuation (miles: `sample.prefix_cache_info.cached_tokens`)."""
 
     @property
     def prompt_length(self) -> int:
@@ -124,6 +131,7 @@ class Sample:
         self.loss_mask.extend([1] * n)
         self.rollout_log_probs.extend(out.output_log_probs)
         self.weight_versions.extend(out.weight_versions)
+        self.cached_tokens += out.cached_tokens
         self.status = _FINISH_TO_STATUS[out.finish_reason]
 
     def append_context(self, token_ids: Sequence[int], text: str = "") -> None:
@@ -145,6 +153,7 @@ class Sample:
         self.loss_mask = []
         self.rollout_log_probs = []
         self.weight_versions = []
+        self.cached_tokens = 0
         self.status = Status.PENDING
 
     def to_dict(self) -> dict[str, Any]:

@@ -90,8 +90,10 @@ def test_get_filters_stale_groups_but_never_unknown_staleness(vrun: Any) -> None
         got = [(await buf.get(current_version=4)).group_index for _ in range(2)]
         m = buf.get_metrics()
         assert m["rollout/fully_async/stale_groups_filtered"] == 1
-        assert m["rollout/fully_async/avg_staleness"] == 1.0  # only known staleness counts
-        assert m["rollout/fully_async/max_staleness"] == 1.0
+        # every popped group of known staleness counts, the one the filter rejected too (as miles):
+        # groups 1 (3, rejected) and 3 (1); group 2's unknown staleness is not a 0
+        assert m["rollout/fully_async/avg_staleness"] == 2.0
+        assert m["rollout/fully_async/max_staleness"] == 3.0
         return got
 
     assert vrun(main()) == [2, 3]
@@ -114,8 +116,64 @@ def test_metrics_window_resets_on_each_call_and_reports_buffered_staleness(vrun:
         assert first["rollout/fully_async/buffer_max_staleness"] == 2.0
         second = buf.get_metrics()
         assert second["rollout/fully_async/aborted_groups_filtered"] == 0
-        assert second["rollout/fully_async/avg_staleness"] == 0.0
+        assert "rollout/fully_async/avg_staleness" not in second  # nothing popped: unknown, not 0
+        assert "rollout/fully_async/max_staleness" not in second
+        assert second["rollout/fully_async/buffer_max_staleness"] == 2.0
         assert second["rollout/fully_async/queue_size"] == 1
+
+    vrun(main())
+
+
+def test_unknown_staleness_is_absent_from_the_metrics_not_zero(vrun: Any) -> None:
+    """Before the first push (no version yet) and with an empty buffer there is no staleness to report:
+    the four staleness metrics are left out (a 0 would read as "perfectly fresh")."""
+    buf = make_buffer([])
+    staleness = {
+        f"rollout/fully_async/{k}"
+        for k in ("avg_staleness", "max_staleness", "buffer_avg_staleness", "buffer_max_staleness")
+    }
+
+    async def main() -> None:
+        empty = buf.get_metrics()
+        assert staleness.isdisjoint(empty) and empty["rollout/fully_async/queue_size"] == 0
+        await buf.put(item(1, [None]))  # generated before any version was stamped
+        await buf.put(item(2, [1]))
+        await buf.get(current_version=None)  # the driver holds no version yet
+        before_push = buf.get_metrics()
+        assert staleness.isdisjoint(before_push) and before_push["rollout/fully_async/queue_size"] == 1
+        await buf.get(current_version=2)
+        drained = buf.get_metrics()  # group 2 popped at version 2; the buffer is empty
+        assert (
+            drained["rollout/fully_async/avg_staleness"] == drained["rollout/fully_async/max_staleness"] == 1
+        )
+        assert "rollout/fully_async/buffer_avg_staleness" not in drained
+        assert "rollout/fully_async/buffer_max_staleness" not in drained
+
+    vrun(main())
+
+
+def test_get_ignores_context_keys_it_does_not_know(vrun: Any) -> None:
+    """The driver may pass more keywords to get() than a buffer knows (forward compatibility, as miles'
+    `get(self, **context)`): the default buffer ignores them, and a user buffer written as
+    `def get(self, **kwargs)` over it works, including get() with no version at all."""
+
+    class KwargsBuffer(DefaultDataBuffer):
+        async def get(self, **kwargs: Any) -> BufferItem:
+            self.seen = dict(kwargs)
+            return await super().get(**kwargs)
+
+    buf = make_buffer([])
+    mine = KwargsBuffer(buf.ctx)
+
+    async def main() -> None:
+        await buf.put(item(1, [1]))
+        await buf.put(item(2, [1]))
+        assert (await buf.get(current_version=2, step=7, future_key="x")).group_index == 1
+        assert (await buf.get()).group_index == 2  # no version: staleness unknown
+        await mine.put(item(3, [1]))
+        assert (await mine.get(current_version=2, step=7)).group_index == 3
+        assert mine.seen == {"current_version": 2, "step": 7}
+        assert mine.get_metrics()["rollout/fully_async/max_staleness"] == 1.0
 
     vrun(main())
 

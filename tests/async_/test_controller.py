@@ -11,7 +11,7 @@ import structlog
 
 from miles_aio.buffer import BufferItem, DefaultDataBuffer
 from miles_aio.controller import Controller, RunSummary
-from miles_aio.errors import EngineUnavailable, RolloutWorkerDied
+from miles_aio.errors import EngineUnavailable
 from miles_aio.ledger import check_conservation, read_ledger
 from miles_aio.plugins import resolve_plugins
 from miles_aio.testing import FakeLatencyEngine, FakeTokenizer, FakeTrainer, LogNormalLatency
@@ -79,10 +79,12 @@ def test_run_completes_num_rollout_steps_of_exactly_batch_size_groups(vrun: Any,
         "stale_groups_filtered",
         "avg_staleness",
         "max_staleness",
-        "buffer_avg_staleness",
-        "buffer_max_staleness",
     ):
         assert all(f"rollout/fully_async/{key}" in m for m in lines)
+    for key in ("buffer_avg_staleness", "buffer_max_staleness"):  # unknown (absent) for an empty buffer
+        assert all(
+            (f"rollout/fully_async/{key}" in m) == (m["rollout/fully_async/queue_size"] > 0) for m in lines
+        )
 
 
 def test_weights_pushed_every_interval_steps(vrun: Any, tmp_path: Path) -> None:
@@ -159,7 +161,9 @@ def test_stale_groups_are_recycled_under_the_same_id_with_retry(vrun: Any, tmp_p
     assert summary.steps == 8
     lines = metrics_lines(tmp_path)
     assert sum(m["rollout/fully_async/stale_groups_filtered"] for m in lines) == counts["recycled"]
-    assert max(m["rollout/fully_async/max_staleness"] for m in lines) == 0
+    for m in lines:  # the groups get() returned are all fresh; max_staleness counts the rejected too (miles)
+        rejected = m["rollout/fully_async/stale_groups_filtered"] > 0
+        assert (m["rollout/fully_async/max_staleness"] > 0) == rejected
 
 
 def test_dynamic_filter_drops_and_counts_by_reason(vrun: Any, tmp_path: Path) -> None:
@@ -173,10 +177,9 @@ def test_dynamic_filter_drops_and_counts_by_reason(vrun: Any, tmp_path: Path) ->
 
 
 def test_a_worker_exception_surfaces_at_the_drain(vrun: Any, tmp_path: Path) -> None:
-    with pytest.raises(RolloutWorkerDied) as e:
+    with pytest.raises(RuntimeError, match="reward exploded") as e:  # the user's own error, not a wrapper
         run(vrun, tmp_path, custom_rm_path="tests.helpers:raising_reward")
-    cause = e.value.__cause__
-    assert isinstance(cause, RuntimeError) and "reward exploded" in str(cause)
+    assert any("raised in the rollout worker, which died before step" in n for n in e.value.__notes__)
     check_conservation(read_ledger(tmp_path / "run" / "ledger.jsonl"))  # nothing admitted goes unaccounted
 
 

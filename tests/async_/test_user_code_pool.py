@@ -15,7 +15,7 @@ import structlog
 
 from miles_aio.buffer.fates import normalize_filter
 from miles_aio.controller import Controller
-from miles_aio.errors import RolloutWorkerDied, primary_error
+from miles_aio.errors import primary_error
 from miles_aio.ledger import check_conservation, read_ledger
 from miles_aio.plugins import resolve_plugins
 from miles_aio.rollout.context import RolloutContext
@@ -286,11 +286,54 @@ def test_a_run_with_a_crashing_filter_drops_its_groups_as_filter_crashed(vrun: A
 
 
 def test_a_crashing_filter_under_fail_stops_the_run_with_the_users_error(vrun: Any, tmp_path: Path) -> None:
-    with pytest.raises(RolloutWorkerDied) as e:
+    with pytest.raises(KeyError, match="reward"):
         controller_run(
             vrun,
             tmp_path,
             num_rollout=4,
             dynamic_sampling_filter_path="tests.async_.test_user_code_pool:crashing_filter",
         )
-    assert isinstance(e.value.__cause__, KeyError)
+
+
+class MyError(Exception):
+    """A user's own exception type."""
+
+
+async def my_error_generate(ctx: RolloutContext, sample: Sample, params: dict[str, Any]) -> Any:
+    """Fine for the first groups, then raises the user's own exception (while handling another one)."""
+    if sample.group_index >= 5:
+        try:
+            {}[sample.group_index]
+        except KeyError:
+            raise MyError(f"my generate gave up on group {sample.group_index}")  # noqa: B904
+    return await single_turn_generate(ctx, sample, params)
+
+
+def test_a_producer_failure_surfaces_as_the_users_own_exception(vrun: Any, tmp_path: Path) -> None:
+    """`except MyError` around the run works: the drain re-raises the worker's error itself (the
+    rollout worker's death is a note), with the user's traceback and without a wrapper."""
+    config = make_config(
+        tmp_path / "run",
+        num_rollout=6,
+        custom_generate_function_path="tests.async_.test_user_code_pool:my_error_generate",
+        rollout_failure_policy="fail",  # the default: user code that raises stops the run
+    )
+    controller = Controller(
+        config,
+        engine=FakeLatencyEngine(LogNormalLatency(1.0, 10.0), tokens_per_s=20.0, seed=3),
+        trainer=FakeTrainer(step_time_s=1.0),
+        source=make_source(n=config.rollout.n_samples_per_prompt),
+        plugins=resolve_plugins(config),
+        tokenizer=FakeTokenizer(),
+    )
+    with pytest.raises(MyError, match=r"my generate gave up on group \d+") as e:
+        vrun(controller.run())
+    assert type(e.value) is MyError
+    notes = e.value.__notes__
+    assert any(
+        re.fullmatch(r"raised in the rollout worker, which died before step \d+'s batch was complete", n)
+        for n in notes
+    ), notes
+    assert e.traceback[-1].name == "my_error_generate"  # the user's frame, where it was raised
+    assert isinstance(e.value.__context__, KeyError)  # and its own context chain, not the task group
+    check_conservation(read_ledger(tmp_path / "run" / "ledger.jsonl"))

@@ -128,3 +128,26 @@ def test_miles_only_flags_really_do_not_exist_here() -> None:
 def test_docgen_check_passes(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(ROOT)
     assert docgen.main(argv) == 0
+
+
+DEFAULT_RE = re.compile(r"\(default\b|(?<!\()\bdefault:")
+
+
+def test_every_flag_states_its_default_once() -> None:
+    """`--help` appends the default; a help text that states one too printed two ("(default: off).
+    (default: 2)" under a recipe's default), so none may."""
+    from miles_aio.recipe import _parser
+
+    parsers = [docgen.recipe_parser(), *(_parser(m.RECIPE) for m in docgen.recipe_modules())]
+    twice = [
+        f"{p.prog} {a.option_strings[0]}: {a.help}"
+        for p in parsers
+        for a in p._actions
+        if a.option_strings and len(DEFAULT_RE.findall(a.help or "")) > 1
+    ]
+    assert not twice, "\n".join(twice)
+
+
+def test_rollout_shuffle_names_the_seed_it_uses() -> None:
+    action = next(a for a in docgen.recipe_parser()._actions if "--rollout-shuffle" in a.option_strings)
+    assert "--rollout-seed" in (action.help or "") and "--seed " not in (action.help or "")

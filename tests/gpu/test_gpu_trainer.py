@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from miles_aio.inference.base import SingleServerBroadcast
 from miles_aio.models.tiny import build_tiny_llama
 from miles_aio.trainer.actor import TrainerActor
 from miles_aio.trainer.config import TrainConfig
@@ -195,6 +196,15 @@ class _NcclReceiver:
             torch.cuda.synchronize(1)
 
         await asyncio.to_thread(receive)
+
+    async def server_info(self) -> dict[str, Any]:
+        return {"tp_size": 1}
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        return None
+
+    def weight_broadcast(self) -> SingleServerBroadcast:
+        return SingleServerBroadcast(self)
 
 
 @pytest.mark.skipif(

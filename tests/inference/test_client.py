@@ -10,10 +10,10 @@ import pytest
 
 from miles_aio.errors import EngineBadResponse, EngineError, EngineUnavailable
 from miles_aio.inference.base import InferenceEngine
-from miles_aio.inference.client import ClientTimeouts, SGLangClient
+from miles_aio.inference.client import ClientTimeouts, FlushRefused, SGLangClient
 from miles_aio.inference.wire import join_pieces, parse_wire_version, wire_version
 from miles_aio.testing.sglang_stub_server import SGLangStubServer, load_sglang_api_types
-from miles_aio.types import FinishReason, GenerateOutput
+from miles_aio.types import FinishReason, GenerateOutput, Sample
 from tests.inference.helpers import expected_tokens, recorded
 
 PROMPT = [11, 12, 13]
@@ -305,6 +305,55 @@ def test_admin_calls_speak_sglang_field_names() -> None:
     asyncio.run(main())
 
 
+@pytest.mark.timeout(10)
+def test_a_refused_flush_is_flush_refused_and_the_version_falls_back_to_get_weight_version() -> None:
+    async def main() -> None:
+        async with SGLangStubServer.open() as stub, SGLangClient(stub.url) as client:
+            stub.refuse_flushes = 1
+            with pytest.raises(FlushRefused, match="HTTP 400: Cache not flushed") as refused:
+                await client.flush_cache()
+            assert isinstance(refused.value, EngineBadResponse)  # what it always was, now recognisable
+            await client.flush_cache()  # no longer refused
+            stub.add_faults([{"kind": "status", "status": 401, "path": "/flush_cache"}])
+            with pytest.raises(EngineBadResponse) as other:
+                await client.flush_cache()
+            assert not isinstance(other.value, FlushRefused)  # only a 400 is the "still busy" answer
+            await client.update_weight_version(6)
+            stub.legacy_weight_version = True  # an older SGLang: /model_info has no weight_version
+            assert "weight_version" not in await client.model_info()
+            assert await client.weight_version() == 6  # read from /get_weight_version, as miles does
+            assert stub.counts["/get_weight_version"] == 1
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(10)
+def test_sample_keeps_cached_tokens_summed_over_its_engine_calls() -> None:
+    """SGLang's `meta_info.cached_tokens` reaches the Sample (miles' `prefix_cache_info.cached_tokens`),
+    summed over the turns of a multi-turn sample; a retry forgets it, a checkpoint keeps it."""
+
+    async def main() -> Sample:
+        async with SGLangStubServer.open() as stub, SGLangClient(stub.url) as client:
+            stub.add_faults(
+                [
+                    {"kind": "mutate", "set": {"meta_info.cached_tokens": 2}},
+                    {"kind": "mutate", "set": {"meta_info.cached_tokens": 5}},
+                ]
+            )
+            sample = Sample(group_index=0, index=0, prompt="p", tokens=list(PROMPT))
+            params = {"max_new_tokens": 2}
+            sample.append(await client.generate(input_ids=sample.tokens, sampling_params=params))
+            sample.append_context([1, 2])  # a tool's answer: no engine call, nothing cached
+            sample.append(await client.generate(input_ids=sample.tokens, sampling_params=params))
+            return sample
+
+    sample = asyncio.run(main())
+    assert sample.cached_tokens == 7
+    assert Sample.from_dict(sample.to_dict()).cached_tokens == 7
+    sample.reset_for_retry()
+    assert sample.cached_tokens == 0
+
+
 @pytest.mark.timeout(5)
 def test_wire_versions_and_joining_pieces() -> None:
     assert wire_version(3) == "3"
@@ -338,6 +387,9 @@ def test_wire_versions_and_joining_pieces() -> None:
     assert joined.prompt_tokens == 4  # the original prompt, not the resubmitted one
     assert joined.cached_tokens == 2
     assert joined.meta == {"id": "2", "partial_rollout_segments": 2}
+    continued = Sample(group_index=0, index=0, prompt="p", tokens=[9])
+    continued.append(joined)
+    assert continued.cached_tokens == 2  # both requests' cache hits, as miles adds each call's meta_info
     # An abort that landed exactly on the last token of the budget is a finished, truncated generation.
     assert (
         join_pieces([piece([1], 1, "abort"), piece([2], 2, "abort")], max_new_tokens=2).finish_reason

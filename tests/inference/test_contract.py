@@ -164,6 +164,28 @@ def test_generate_and_control_plane(server: tuple[str, str | None], api_types: M
     asyncio.run(main())
 
 
+def test_embedded_engine_cached_tokens_reach_the_sample(embedded_url: str) -> None:
+    """The embedded engine reports `meta_info.cached_tokens` as SGLang does, and a sample sums them over
+    its calls: the second turn re-sends prompt + first response, which the prefix cache holds."""
+    from miles_aio.types import Sample
+
+    async def main() -> tuple[Sample, Sample]:
+        async with SGLangClient(embedded_url) as client:
+            greedy = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+            cold = Sample(group_index=0, index=0, prompt="p", tokens=[9, 10, 11, 12, 13, 14])
+            cold.append(await client.generate(input_ids=cold.tokens, sampling_params=greedy))
+            warm = Sample(group_index=0, index=1, prompt="p", tokens=[9, 10, 11, 12, 13, 14])
+            warm.append(await client.generate(input_ids=warm.tokens, sampling_params=greedy))
+            first = warm.cached_tokens
+            warm.append(await client.generate(input_ids=warm.tokens, sampling_params=greedy))
+            assert warm.cached_tokens > first
+            return cold, warm
+
+    cold, warm = asyncio.run(main())
+    assert cold.cached_tokens == 0
+    assert warm.cached_tokens >= 5 + 5  # the last prompt token is always fed, so at most len - 1 a call
+
+
 def test_partial_rollout_continues_an_aborted_generation(
     server: tuple[str, str | None], api_types: ModuleType
 ) -> None:

@@ -11,9 +11,11 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+import structlog
 
 from miles_aio.errors import EngineBadResponse, EngineError, EngineUnavailable
 from miles_aio.inference.base import InferenceEngine
+from miles_aio.inference.client import FlushRefused
 from miles_aio.inference.router import EngineRouter, RouterPolicy
 from miles_aio.models.tiny import build_tiny_llama
 from miles_aio.testing.sglang_stub_server import SGLangStubServer
@@ -21,7 +23,7 @@ from miles_aio.types import GenerateOutput
 from tests.inference.helpers import StubProcess, expected_tokens, recorded, script, stub_processes
 
 PROMPT = [1, 2, 3]
-FAST = RouterPolicy(health_check_interval_s=0.05, retry_backoff_s=0.01)
+FAST = RouterPolicy(health_check_interval_s=0.05, retry_backoff_s=0.01, flush_backoff_s=0.01)
 
 
 @contextlib.asynccontextmanager
@@ -300,14 +302,56 @@ def test_admin_calls_reach_every_engine_and_exclude_one_that_fails() -> None:
                 for s in servers
             ]
             assert offsets == [1, 2]
-            servers[1].add_faults([{"kind": "status", "status": 400, "path": "/flush_cache"}])
+            servers[1].refuse_flushes = FAST.flush_attempts  # refused every try
             await router.flush_cache()  # excluded, not raised: the push goes on without it
             assert servers[0].counts["/flush_cache"] == 2  # the other engine was not cancelled
+            assert servers[1].counts["/flush_cache"] == 1 + FAST.flush_attempts
             stats = router.stats()
             assert stats["router/exclusions"] == 1 and stats["router/engine1/exclusions"] == 1
             assert stats["router/engine1/healthy"] == 0.0
             async with asyncio.timeout(5):  # it answers again: probed, and back in rotation
                 await router.wait_for_healthy()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(10)
+def test_a_flush_refused_while_requests_drain_is_asked_again_with_backoff() -> None:
+    """SGLang answers 400 to /flush_cache while requests still run or wait (aborted ones draining after
+    a pause): the router asks again, as miles does, and the push goes on with the engine still in it."""
+
+    async def main() -> None:
+        policy = dataclasses.replace(FAST, flush_backoff_s=0.05)
+        async with stubs(2) as servers, EngineRouter.open([s.url for s in servers], policy=policy) as router:
+            servers[1].refuse_flushes = 2
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            await router.flush_cache()
+            assert loop.time() - t0 >= 0.05 + 0.1  # backed off between the tries
+            assert [s.counts["/flush_cache"] for s in servers] == [1, 3]
+            stats = router.stats()
+            assert stats["router/exclusions"] == 0 and stats["router/engine1/healthy"] == 1.0
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(10)
+def test_a_flush_refused_on_every_try_gives_up_with_the_reason_and_excludes_the_engine() -> None:
+    async def main() -> None:
+        policy = dataclasses.replace(FAST, flush_attempts=3)
+        async with stubs(1) as servers, EngineRouter.open([s.url for s in servers], policy=policy) as router:
+            servers[0].refuse_flushes = 10
+            with structlog.testing.capture_logs() as logs:
+                await router.flush_cache()
+            assert servers[0].counts["/flush_cache"] == 3
+            assert router.stats()["router/engine0/exclusions"] == 1
+            [excluded] = [e for e in logs if e["event"] == "engine_excluded"]
+            assert excluded["call"] == "flush_cache"
+            assert "still refused after 3 tries" in excluded["error"]
+            assert "Cache not flushed" in excluded["error"]  # the engine's own words
+            with pytest.raises(FlushRefused, match="HTTP 400"):  # the client alone: one try, no retry
+                await router.clients[0].flush_cache()
+            assert servers[0].counts["/flush_cache"] == 4
 
     asyncio.run(main())
 
@@ -374,6 +418,8 @@ def test_constructor_validates() -> None:
         RouterPolicy(max_retries=-1)
     with pytest.raises(ValueError, match="health_check_interval_s"):
         RouterPolicy(health_check_interval_s=0)
+    with pytest.raises(ValueError, match="flush_attempts"):
+        RouterPolicy(flush_attempts=0)
 
 
 @pytest.mark.timeout(10)

@@ -21,9 +21,8 @@ FULLY_ASYNC = [
     "stale_groups_filtered",
     "avg_staleness",
     "max_staleness",
-    "buffer_avg_staleness",
-    "buffer_max_staleness",
 ]
+BUFFER_STALENESS = ["buffer_avg_staleness", "buffer_max_staleness"]  # absent (unknown) when empty
 EVAL = ["reward", "accuracy", "truncated_ratio", "response_len", "weight_version/mean", "mixed_version_ratio"]
 
 
@@ -110,6 +109,8 @@ def test_quickstart_end_to_end(tmp_path: Path) -> None:
     for r in rows:
         for key in FULLY_ASYNC:
             assert f"rollout/fully_async/{key}" in r
+        for key in BUFFER_STALENESS:
+            assert (f"rollout/fully_async/{key}" in r) == (r["rollout/fully_async/queue_size"] > 0)
         assert {"perf/trainer_idle_ratio", "perf/rollout_blocked_ratio", "train/loss"} <= r.keys()
     evals = [r for r in rows if "eval/step" in r]
     assert [r["eval/step"] for r in evals] == [0, 2, 4]

@@ -151,7 +151,9 @@ class DiskTrainer(FakeTrainer):
         await engine.update_weights_from_disk(f"/w/v{version}", version=version)
 
 
-POLICY = RouterPolicy(health_check_interval_s=0.05, retry_backoff_s=0.01, admin_timeout_s=5.0)
+POLICY = RouterPolicy(
+    health_check_interval_s=0.05, retry_backoff_s=0.01, admin_timeout_s=5.0, flush_backoff_s=0.01
+)
 CFG = {"num_rollout": 6, "rollout_batch_size": 2, "n_samples_per_prompt": 2, "rollout_max_response_len": 4}
 
 
@@ -181,8 +183,8 @@ def test_engines_answering_400_to_a_flush_or_a_weight_load_are_excluded_and_rejo
         async with SGLangStubServer.open() as s0, SGLangStubServer.open() as s1:
 
             def script(version: int) -> None:
-                if version == 2:  # the next push's flush fails on engine 1
-                    s1.add_faults([{"kind": "status", "status": 400, "path": "/flush_cache"}])
+                if version == 2:  # the next push's flush fails on engine 1, every try of it
+                    s1.refuse_flushes = POLICY.flush_attempts
                 if version == 4:  # this push's weight load fails on engine 0
                     s0.add_faults([{"kind": "status", "status": 400, "path": "/update_weights_from_disk"}])
 

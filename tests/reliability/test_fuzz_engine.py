@@ -1,9 +1,10 @@
-"""Bad engine answers, fuzzed: a FAKE SGLang server over real HTTP answers `/generate` as hypothesis says
-(invalid JSON, missing fields, wrong types, logprob/token/version mismatches, 4xx/5xx, slow answers,
-bodies cut mid-way, reset connections, timeouts), and the real client, the rollout pool and a whole
-controller run must turn every answer into a valid output or a clear error: `EngineUnavailable` (5xx,
-lost connection, timeout) or `EngineBadResponse` (the answer breaks the contract), an ABORTED sample, a
-counted aborted group, and never a corrupted sample in front of the trainer or a crashed controller.
+"""Bad engine answers, fuzzed: the SGLang stub server (a FAKE over real HTTP, `SGLangStubServer`) answers
+`/generate` as hypothesis scripts it, one fault per request (invalid JSON, missing fields, wrong types,
+logprob/token/version mismatches, 4xx/5xx, slow answers, bodies cut mid-way, reset connections,
+timeouts), and the real client, the rollout pool and a whole controller run must turn every answer into
+a valid output or a clear error: `EngineUnavailable` (5xx, lost connection, timeout) or
+`EngineBadResponse` (the answer breaks the contract), an ABORTED sample, a counted aborted group, and
+never a corrupted sample in front of the trainer or a crashed controller.
 
 One server and one event loop serve every example of the module (hypothesis runs examples one by one).
 """
@@ -14,7 +15,6 @@ import asyncio
 import json
 import math
 import tempfile
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +22,6 @@ from typing import Any
 
 import pytest
 import structlog
-from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -37,6 +36,7 @@ from miles_aio.rollout.context import RolloutContext
 from miles_aio.rollout.pool import RolloutPool
 from miles_aio.rollout.single_turn import generate as single_turn_generate
 from miles_aio.testing import FakeTokenizer, FakeTrainer
+from miles_aio.testing.sglang_stub_server import SGLangStubServer
 from miles_aio.types import GenerateOutput, Sample, Status
 from tests.helpers import length_reward, make_config, make_source
 
@@ -45,7 +45,7 @@ NESTED = b"<nested>"
 DEEP = b"[" * 50_000 + b"]" * 50_000
 GENERATE_TIMEOUT_S = 0.5  # a good answer must never hit it, even on a loaded machine
 SLOW_OK_S, SLOW_TIMEOUT_S = 0.02, 0.8
-MAX_NEW = 4
+MAX_NEW = 4  # token positions the mutations aim at (requests here ask for 3)
 FUZZ = settings(
     max_examples=40,
     deadline=None,
@@ -131,25 +131,8 @@ ANSWERS = st.one_of(
 )
 
 
-def good_body(input_ids: list[int], max_new: int, version: str) -> dict[str, Any]:
-    n = min(max_new, MAX_NEW)
-    ids = [(sum(input_ids) + 7 * i) % 1000 for i in range(n)]
-    return {
-        "text": "".join(f"{t} " for t in ids),
-        "output_ids": ids,
-        "meta_info": {
-            "id": "x",
-            "finish_reason": {"type": "length" if n == max_new else "stop"},
-            "prompt_tokens": len(input_ids),
-            "completion_tokens": n,
-            "cached_tokens": 0,
-            "output_token_logprobs": [[-0.5 - i / 10, t, None] for i, t in enumerate(ids)],
-            "weight_version": version,
-        },
-    }
-
-
 def mutate(body: dict[str, Any], mutation: tuple[Any, ...]) -> object:
+    """The stub's good answer `body`, broken as `mutation` says (bytes: a raw body to send)."""
     kind, *args = mutation
     meta, ids, entries = body["meta_info"], body["output_ids"], body["meta_info"]["output_token_logprobs"]
     if kind in ("delete", "set"):
@@ -177,96 +160,50 @@ def mutate(body: dict[str, Any], mutation: tuple[Any, ...]) -> object:
         ids.extend(ids[:1] * (MAX_NEW + 1))
         entries.extend(entries[:1] * (MAX_NEW + 1))
     elif kind == "nested_deep":
-        return NESTED
+        return DEEP
     return body
 
 
-class FakeFuzzEngineServer:
-    """A FAKE SGLang server: `/generate` answers the next scripted `Answer` (a good one when none is
-    left); the admin endpoints answer success and keep a weight version, as SGLang does."""
-
-    def __init__(self) -> None:
-        self.script: deque[Answer] = deque()
-        self.served: list[Answer] = []
-        self.version = "default"
-        self.port = 0
-        self._runner: web.AppRunner | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    async def start(self) -> None:
-        app = web.Application()
-        app.router.add_post("/generate", self._generate)
-        app.router.add_post("/update_weight_version", self._version)
-        app.router.add_get("/model_info", self._model_info)
-        for path in ("/pause_generation", "/continue_generation", "/flush_cache", "/abort_request"):
-            app.router.add_post(path, self._ok)
-        app.router.add_get("/health_generate", self._ok)
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-
-    def load(self, answers: list[Answer]) -> None:
-        self.script = deque(answers)
-        self.served = []
-
-    async def _ok(self, request: web.Request) -> web.Response:
-        return web.json_response({"success": True})
-
-    async def _version(self, request: web.Request) -> web.Response:
-        self.version = (await request.json())["new_version"]
-        return web.json_response({"success": True, "new_version": self.version})
-
-    async def _model_info(self, request: web.Request) -> web.Response:
-        return web.json_response({"model_path": "fake", "weight_version": self.version})
-
-    async def _generate(self, request: web.Request) -> web.StreamResponse:
-        req = await request.json()
-        answer = self.script.popleft() if self.script else Answer("good", None)
-        self.served.append(answer)
-        body = good_body(req["input_ids"], int(req["sampling_params"]["max_new_tokens"]), self.version)
-        if answer.kind == "slow":
-            await asyncio.sleep(answer.delay_s)
-        if answer.kind == "raw":
-            data = DEEP if answer.body == NESTED else answer.body
-            return web.Response(status=answer.status, body=data, content_type="application/json")
-        if answer.kind == "reset":
-            assert request.transport is not None
-            request.transport.abort()
-            return web.Response()
-        if answer.kind == "cut":
-            data = json.dumps(body).encode()
-            resp = web.StreamResponse(headers={"Content-Type": "application/json"})
-            resp.content_length = len(data)
-            await resp.prepare(request)
-            await resp.write(data[: len(data) // 2])
-            assert request.transport is not None
-            request.transport.abort()
-            return resp
-        out = mutate(body, answer.mutation) if answer.kind == "mutated" else body
-        data = DEEP if out == NESTED else json.dumps(out).encode()
-        return web.Response(body=data, content_type="application/json")
+def fault(answer: Answer) -> dict[str, Any]:
+    """The stub fault that makes its next `/generate` answer `answer`."""
+    if answer.kind == "mutated":
+        return {"kind": "mutate", "apply": lambda out: mutate(out, answer.mutation)}
+    if answer.kind == "raw":
+        return {
+            "kind": "raw",
+            "status": answer.status,
+            "body": DEEP if answer.body == NESTED else answer.body,
+        }
+    if answer.kind == "slow":
+        return {"kind": "delay", "delay_s": answer.delay_s}
+    return {"kind": {"good": "ok", "cut": "cut", "reset": "reset"}[answer.kind]}
 
 
 @dataclass
 class Env:
     loop: asyncio.AbstractEventLoop
-    server: FakeFuzzEngineServer
+    server: SGLangStubServer
     client: SGLangClient = field(init=False)
+    script: list[Answer] = field(default_factory=list)
+    generates_before: int = 0
+
+    def load(self, answers: list[Answer]) -> None:
+        """The next `/generate` requests answer `answers`, in order (then good answers)."""
+        self.server.clear_faults()
+        self.server.add_faults([fault(a) for a in answers])
+        self.script, self.generates_before = list(answers), self.server.counts["/generate"]
+
+    @property
+    def served(self) -> list[Answer]:
+        """The answers given since `load`, in order."""
+        n = self.server.counts["/generate"] - self.generates_before
+        return self.script[:n] + [Answer("good", None)] * max(0, n - len(self.script))
 
 
 @pytest.fixture(scope="module")
 def env() -> Iterator[Env]:
     loop = asyncio.new_event_loop()
-    server = FakeFuzzEngineServer()
+    server = SGLangStubServer(check_schema=False)  # answers are under test here, not request bodies
     loop.run_until_complete(server.start())
     e = Env(loop, server)
     e.client = SGLangClient(server.url, timeouts=ClientTimeouts(generate_s=GENERATE_TIMEOUT_S, health_s=2.0))
@@ -307,7 +244,7 @@ def test_client_turns_every_answer_into_a_valid_output_or_the_right_error(
     env: Env, answers: list[Answer]
 ) -> None:
     async def main() -> None:
-        env.server.load(answers)
+        env.load(answers)
         for answer in answers:
             out, error = None, None
             try:
@@ -343,7 +280,7 @@ REGRESSIONS = [
 @pytest.mark.parametrize("answer", REGRESSIONS, ids=lambda a: f"{a.kind}-{a.status}-{a.mutation[:2]}")
 def test_answers_that_broke_the_client_are_clear_errors(env: Env, answer: Answer) -> None:
     async def main() -> None:
-        env.server.load([answer])
+        env.load([answer])
         with pytest.raises(answer.expect) as e:  # type: ignore[arg-type]
             await env.client.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 3})
         assert len(str(e.value)) < 1000
@@ -367,7 +304,7 @@ def test_pool_marks_each_failed_engine_call_aborted_and_keeps_the_rest_valid(
     done: list[int] = []
 
     async def main() -> list[Sample]:
-        env.server.load(answers)
+        env.load(answers)
         return await pool.run_group(group, on_sample_done=lambda: done.append(1))
 
     out = env.loop.run_until_complete(asyncio.wait_for(main(), 20))
@@ -404,7 +341,7 @@ def test_controller_run_survives_bad_answers_and_trains_only_valid_samples(
     timeouts = ClientTimeouts(generate_s=GENERATE_TIMEOUT_S, health_s=2.0)
 
     async def main(run_dir: Path) -> tuple[Controller, FakeTrainer]:
-        env.server.load(answers)
+        env.load(answers)
         trainer = FakeTrainer(step_time_s=0.0)
         async with EngineRouter.open([env.server.url], policy=policy, timeouts=timeouts) as router:
             cfg = make_config(run_dir, **cfg_kw)
@@ -433,8 +370,8 @@ def test_controller_run_survives_bad_answers_and_trains_only_valid_samples(
     aborted_groups = sum(1 for e in events if e.get("reason") == "aborted")
     counted = sum(m["rollout/fully_async/aborted_groups_filtered"] for m in lines)
     assert counted <= aborted_groups  # groups aborted after the last step's metrics are not in them
-    bad = sum(a.expect is EngineBadResponse for a in env.server.served)  # never retried: one sample each
-    assert aborted_groups <= sum(a.expect is not None for a in env.server.served)
+    bad = sum(a.expect is EngineBadResponse for a in env.served)  # never retried: one sample each
+    assert aborted_groups <= sum(a.expect is not None for a in env.served)
     if bad and not any(e["fate"] == "pending_at_exit" for e in events):
         assert aborted_groups >= 1
         assert all("perf/wasted_tokens/aborted" in m for m in lines)

@@ -10,6 +10,7 @@ import pytest
 import structlog
 import torch
 
+from miles_aio.config import log_config_warnings
 from miles_aio.errors import ConfigError
 from miles_aio.trainer import losses
 from miles_aio.trainer.config import TrainConfig, with_run_lr_decay
@@ -207,9 +208,10 @@ def test_new_flags_accept_miles_recipes() -> None:
 
 def test_many_steps_per_rollout_warns() -> None:
     with structlog.testing.capture_logs() as logs:
-        TrainConfig(num_steps_per_rollout=1)
+        TrainConfig(num_steps_per_rollout=2)  # validation never logs: the controller process does, once
+        log_config_warnings(make_config(num_steps_per_rollout=1))
         assert not logs
-        TrainConfig(num_steps_per_rollout=2)
+        log_config_warnings(make_config(num_steps_per_rollout=2))
     assert [e["event"] for e in logs] == ["num_steps_per_rollout_adds_off_policyness"]
     assert logs[0]["log_level"] == "warning"
 

@@ -28,7 +28,7 @@ from miles_aio.errors import ConfigError
 from miles_aio.inference.local_launch import launch_local_engines
 from miles_aio.inference.router import EngineRouter
 from miles_aio.trainer.actor import TrainerActor
-from miles_aio.trainer.config import TrainConfig
+from miles_aio.trainer.config import TrainConfig, check_model_layers
 from tests.trainer.helpers import make_batch, run
 
 PROMPT = [5, 9, 4, 7, 12, 3]
@@ -60,7 +60,7 @@ def test_pipeline_config_validation(model_dir: Path) -> None:
     ]
     for kwargs, message in bad:
         with pytest.raises(ConfigError, match=message) as info:
-            TrainConfig(train_backend="megatron", hf_checkpoint=model_dir, **kwargs)
+            check_model_layers(TrainConfig(train_backend="megatron", hf_checkpoint=model_dir, **kwargs))
         assert "--pipeline-model-parallel-size" in info.value.flags
     with pytest.raises(ConfigError) as info:
         TrainConfig(pipeline_model_parallel_size=2, actor_num_gpus_per_node=2)

@@ -1,4 +1,4 @@
-"""`--async-max-concurrent-samples auto` on the command line, and the FAKE batched engine's time model."""
+"""`--async-max-concurrent-samples auto` on the command line, and the FAKE engine's batched time model."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from miles_aio.cli import parse_run_config
-from miles_aio.testing.sim_engine import FakeBatchedEngine, LogNormalLengths
+from miles_aio.testing import FakeLatencyEngine, LogNormal
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -43,7 +43,9 @@ def test_cli_rejects_bad_values_with_exit_2(args: list[str], message: str, capsy
 
 
 def test_batched_engine_shares_decode_time_and_queues_beyond_its_batch(vrun: Any) -> None:
-    eng = FakeBatchedEngine(lambda rng: 10, base_per_token_s=0.1, slope_per_token_s=0.05, max_running=2)
+    eng = FakeLatencyEngine(
+        lengths=lambda rng: 10, base_per_token_s=0.1, slope_per_token_s=0.05, max_running=2
+    )
 
     async def main() -> list[tuple[float, int]]:
         loop = asyncio.get_running_loop()
@@ -65,7 +67,7 @@ def test_batched_engine_shares_decode_time_and_queues_beyond_its_batch(vrun: Any
 
 
 def test_batched_engine_pause_freezes_and_versions_tag_tokens(vrun: Any) -> None:
-    eng = FakeBatchedEngine(lambda rng: 10, base_per_token_s=0.1)
+    eng = FakeLatencyEngine(lengths=lambda rng: 10, base_per_token_s=0.1)
 
     async def main() -> list[int | None]:
         async with asyncio.TaskGroup() as tg:
@@ -82,16 +84,16 @@ def test_batched_engine_pause_freezes_and_versions_tag_tokens(vrun: Any) -> None
 
 
 def test_lognormal_lengths_hit_their_median() -> None:
-    dist, rng = LogNormalLengths(100, 1000), random.Random(0)
+    dist, rng = LogNormal(100, 1000), random.Random(0)
     draws = sorted(dist(rng) for _ in range(4001))
     assert 90 <= draws[2000] <= 110 and min(draws) >= 1
 
 
 def test_batched_engine_interpolates_a_measured_curve() -> None:
-    eng = FakeBatchedEngine(lambda rng: 1, per_token_curve=[(1, 0.002), (8, 0.004), (64, 0.012)])
+    eng = FakeLatencyEngine(lengths=lambda rng: 1, per_token_curve=[(1, 0.002), (8, 0.004), (64, 0.012)])
     assert eng.per_token_s(1) == pytest.approx(0.002)
     assert eng.per_token_s(36) == pytest.approx(0.008)  # halfway between 8 and 64
     assert eng.per_token_s(120) == pytest.approx(0.020)  # extrapolated along the last segment
     assert eng.per_token_s(0) > 0
     with pytest.raises(ValueError, match="curve"):
-        FakeBatchedEngine(lambda rng: 1, per_token_curve=[(1, 0.002)])
+        FakeLatencyEngine(lengths=lambda rng: 1, per_token_curve=[(1, 0.002)])

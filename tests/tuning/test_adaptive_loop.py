@@ -41,7 +41,7 @@ def test_loop_grows_then_shrinks_on_queueing_and_keeps_bounds_consistent(vrun: A
     loop_ = AdaptiveConcurrency(
         AdaptiveParams(lo=8, hi=512, group_size=4),
         limiter=limiter,
-        worker=worker,  # type: ignore[arg-type]
+        gate=worker,
         generated_tokens=lambda: tokens,
         sample_load=load,
         interval_s=2.0,

@@ -16,17 +16,19 @@ from benchmarks.sim_validate import (
     calibration_lengths,
     closed_loop,
 )
-from miles_aio.testing.sim_engine import FakeBatchedEngine
+from miles_aio.testing import FakeLatencyEngine
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def test_prefill_curve_interpolates_and_holds_up_decoding() -> None:
-    eng = FakeBatchedEngine(lambda rng: 10, base_per_token_s=0.01, prefill_curve=[(8, 0.004), (64, 0.002)])
+    eng = FakeLatencyEngine(
+        lengths=lambda rng: 10, base_per_token_s=0.01, prefill_curve=[(8, 0.004), (64, 0.002)]
+    )
     assert eng.start_s(1) == 0.004 and eng.start_s(100) == 0.002  # flat past both ends
     assert eng.start_s(36) == pytest.approx(0.003)
     with pytest.raises(ValueError, match="prefill curve"):
-        FakeBatchedEngine(lambda rng: 1, prefill_curve=[(1, -0.1), (2, 0.0)])
+        FakeLatencyEngine(lengths=lambda rng: 1, prefill_curve=[(1, -0.1), (2, 0.0)])
 
     async def one() -> float:
         loop = asyncio.get_running_loop()
@@ -45,7 +47,7 @@ def test_calibration_lengths_vary_and_closed_loop_bounds_in_flight() -> None:
     lengths = calibration_lengths(8, 30)
     assert len(set(lengths)) > 10 and all(15 <= n <= 45 for n in lengths)
     assert calibration_lengths(8, 30) == lengths  # fixed: real and simulated loads are the same
-    eng = FakeBatchedEngine(lambda rng: 1_000_000, base_per_token_s=0.001)
+    eng = FakeLatencyEngine(lengths=lambda rng: 1_000_000, base_per_token_s=0.001)
     loop = looptime.new_event_loop(start=0.0)
     try:
         wall = loop.run_until_complete(closed_loop(eng, itertools.repeat([3] * 6), 8, 6))

@@ -1,6 +1,6 @@
 """The `DataBuffer` contract. Subclass it and pass `--custom-async-data-buffer-path pkg.mod:Class`.
 
-    rollout worker ──put(item)──►  DataBuffer  ──get(current_version)──► driver drain
+    rollout worker ──put(item)──►  DataBuffer  ──get(current_version=v, **context)──► driver drain
                                      │
                     ctx.on_unused(item, reason)   ctx.on_filtered(item, reason)
 
@@ -58,11 +58,13 @@ class DataBuffer(ABC):
         """
 
     @abstractmethod
-    async def get(self, *, current_version: int | None) -> BufferItem:
+    async def get(self, *, current_version: int | None = None, **context: Any) -> BufferItem:
         """Called by the driver, once per group of a batch: blocks until a group is ready.
 
-        `current_version` is the policy version the driver holds (None before the first push).
-        Raises `BufferClosed` after `close()`.
+        The driver passes what it knows as keywords: today `current_version`, the policy version it
+        holds (None before the first push). Later versions may pass more keys, so accept and ignore the
+        ones you do not know (`**context`, as here and in `DefaultDataBuffer`; a `def get(self, **kwargs)`
+        works too), as miles' `get(self, **context)` does. Raises `BufferClosed` after `close()`.
 
         Must be cancellation-safe: the driver cancels a waiting `get()` every `--stall-warning-s` (to
         log the stall, then calls again) and on a stop request. Take the group off the buffer only

@@ -8,14 +8,16 @@ put (rollout worker):
                                  that raised: drop_filter_crashed, or under --rollout-failure-policy
                                  fail its exception propagates from put(); see fates.normalize_filter)
   3. otherwise wait while full (capacity = floor(factor × rollout_batch_size)), then append.
-get (driver):
+get (driver, `get(current_version=v, **context)`; context keys it does not know are ignored):
   wait while empty; pop the oldest; if its staleness > --max-weight-staleness → ctx.on_unused(item,
   "stale") and try the next one. Unknown staleness (no version yet) is never filtered.
 
 Metric window (reset by each get_metrics() call): rollout/fully_async/{queue_size,
 aborted_groups_filtered, stale_groups_filtered, avg_staleness, max_staleness, buffer_avg_staleness,
-buffer_max_staleness} and rollout/dynamic_filter/drop_<reason>. avg/max cover the groups returned by
-get() in the window; the buffer_* pair covers the groups still buffered, at the last version seen.
+buffer_max_staleness} and rollout/dynamic_filter/drop_<reason>. avg/max cover the groups get() popped
+in the window, those the staleness filter rejected included (as miles counts them); the buffer_* pair
+covers the groups still buffered, at the last version seen. A staleness figure over no group of known
+staleness (before the first push, an empty window or buffer) is left out, not reported as 0.
 """
 
 from __future__ import annotations
@@ -68,7 +70,9 @@ class DefaultDataBuffer(DataBuffer):
         self._items.append(item)
         self._changed.notify()
 
-    async def get(self, *, current_version: int | None) -> BufferItem:
+    async def get(self, *, current_version: int | None = None, **context: Any) -> BufferItem:
+        """The oldest group within --max-weight-staleness (older ones go to the unused handler); keys of
+        `context` this buffer does not know are ignored."""
         if current_version is not None:
             self._version = current_version
         while True:
@@ -77,12 +81,12 @@ class DefaultDataBuffer(DataBuffer):
             item = self._items.popleft()
             self._changed.notify()  # room for a blocked producer
             staleness = group_staleness(item.group, current_version)
+            if staleness is not None:  # every popped group, the stale ones filtered below too (as miles)
+                self._consumed_staleness.append(staleness)
             if staleness is not None and self._max_staleness is not None and staleness > self._max_staleness:
                 self._stale += 1
                 self.ctx.on_unused(item, "stale")
                 continue
-            if staleness is not None:
-                self._consumed_staleness.append(staleness)
             return item
 
     def get_metrics(self) -> dict[str, float]:
@@ -92,11 +96,15 @@ class DefaultDataBuffer(DataBuffer):
             _P + "queue_size": float(len(self._items)),
             _P + "aborted_groups_filtered": float(self._aborted),
             _P + "stale_groups_filtered": float(self._stale),
-            _P + "avg_staleness": sum(consumed) / len(consumed) if consumed else 0.0,
-            _P + "max_staleness": float(max(consumed, default=0)),
-            _P + "buffer_avg_staleness": sum(buffered) / len(buffered) if buffered else 0.0,
-            _P + "buffer_max_staleness": float(max(buffered, default=0)),
         }
+        # Unknown staleness is absent, never 0: no group popped with a known staleness (before the
+        # first push, an empty window), no buffered group with one (an empty buffer).
+        if consumed:
+            metrics[_P + "avg_staleness"] = sum(consumed) / len(consumed)
+            metrics[_P + "max_staleness"] = float(max(consumed))
+        if buffered:
+            metrics[_P + "buffer_avg_staleness"] = sum(buffered) / len(buffered)
+            metrics[_P + "buffer_max_staleness"] = float(max(buffered))
         metrics["rollout/failed_groups"] = float(self._failed)
         for reason, n in self._drops.items():
             metrics[f"rollout/dynamic_filter/drop_{reason}"] = float(n)

@@ -108,11 +108,12 @@ def prompt_problem(row: object, cfg: DataConfig) -> tuple[str, str] | None:
     return None
 
 
-def read_prompt_jsonl(path: Path, cfg: DataConfig) -> PromptRecords:
-    """Read prompts; a bad line raises ConfigError naming the file and line number, or, with
-    `--skip-invalid-prompts`, is skipped: logged (the first few one by one) and counted by reason."""
+def read_prompt_jsonl(path: Path, cfg: DataConfig, *, flag: str = "--prompt-data") -> PromptRecords:
+    """Read prompts; a bad line raises ConfigError naming the file and line number (and `flag`, the flag
+    that gave the file), or, with `--skip-invalid-prompts`, is skipped: logged (the first few one by one)
+    and counted by reason."""
     if not path.is_file():
-        raise ConfigError(f"prompt data file {str(path)!r} does not exist", flags=["--prompt-data"])
+        raise ConfigError(f"prompt data file {str(path)!r} does not exist", flags=[flag])
     records = PromptRecords(skip_invalid=cfg.skip_invalid_prompts)
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, start=1):
@@ -131,7 +132,7 @@ def read_prompt_jsonl(path: Path, cfg: DataConfig) -> PromptRecords:
             if problem is not None:
                 reason, message = problem
                 if not cfg.skip_invalid_prompts:
-                    flags = ["--prompt-data", *(["--input-key"] if reason in _KEY_REASONS else [])]
+                    flags = [flag, *(["--input-key"] if reason in _KEY_REASONS else [])]
                     raise ConfigError(f"{where}: {message} (or pass --skip-invalid-prompts)", flags=flags)
                 records.skipped[reason] += 1
                 if records.skipped.total() <= _LOGGED_SKIPS:
@@ -146,7 +147,7 @@ def read_prompt_jsonl(path: Path, cfg: DataConfig) -> PromptRecords:
     if records.skipped:
         _log.warning("skipped invalid prompt lines", path=str(path), kept=len(records), **records.skipped)
     if not records:
-        raise ConfigError(f"prompt data file {str(path)!r} holds no prompts", flags=["--prompt-data"])
+        raise ConfigError(f"prompt data file {str(path)!r} holds no prompts", flags=[flag])
     return records
 
 

@@ -16,6 +16,7 @@ updates) and the chat-template renderer (`miles_aio.chat_template`, which the ag
     model.py            Llama forward over HF weight names, slot KV pool
     sampling.py         temperature/top-k/top-p/min-p, penalties, logit bias and the logprob rule
     protocol.py         request parsing with SGLang's field names
+    spans.py            per-token weight versions as SGLang's spans (the SGLang stub's too; no torch)
     weights.py          checkpoint reading and update validation
 
 Importing this package is cheap (no torch); import the submodules you need.

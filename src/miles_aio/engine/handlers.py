@@ -21,6 +21,7 @@ from miles_aio import __version__
 from miles_aio.engine import protocol as proto
 from miles_aio.engine.core import LogprobOptions, Request, TokenLogprobs
 from miles_aio.engine.sampling import SamplingParams
+from miles_aio.engine.spans import version_spans
 from miles_aio.engine.state import ServerState, read_body
 
 __all__ = ["EMBEDDED_ENGINE", "SGLANG_API_VERSION", "GenerationHandlers"]
@@ -135,7 +136,7 @@ class GenerationHandlers:
             and (cut := text.find(r.matched_stop)) >= 0
         ):
             text = text[:cut]
-        spans = _version_spans(r.output_versions, current=self.engine.weight_version)
+        spans = version_spans(r.output_versions, current=self.engine.weight_version)
         meta: dict[str, Any] = {
             "id": r.rid,
             "finish_reason": r.finish_reason,
@@ -322,20 +323,6 @@ class GenerationHandlers:
                 },
             }
         )
-
-
-def _version_spans(versions: list[str], *, current: str) -> list[dict[str, Any]]:
-    """Per-token versions → SGLang's `weight_versions`: `[{version, start, end}]`, end exclusive, covering
-    every output token; a request with no output gets one empty span at the current version."""
-    if not versions:
-        return [{"version": current, "start": 0, "end": 0}]
-    spans: list[dict[str, Any]] = []
-    for i, v in enumerate(versions):
-        if spans and spans[-1]["version"] == v:
-            spans[-1]["end"] = i + 1
-        else:
-            spans.append({"version": v, "start": i, "end": i + 1})
-    return spans
 
 
 def _json(body: object) -> web.Response:

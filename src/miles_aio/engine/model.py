@@ -26,6 +26,8 @@ from typing import Any, Final
 import torch
 import torch.nn.functional as F
 
+from miles_aio.engine.weights import read_checkpoint
+
 __all__ = ["SUPPORTED_ARCHITECTURES", "KVPool", "LlamaModel", "LlamaSpec"]
 
 SUPPORTED_ARCHITECTURES: Final = frozenset({"LlamaForCausalLM", "MistralForCausalLM"})
@@ -252,8 +254,6 @@ class LlamaModel:
 
     @classmethod
     def load(cls, model_dir: Path, *, context_len: int, dtype: torch.dtype = torch.float32) -> LlamaModel:
-        from miles_aio.engine.weights import read_checkpoint
-
         spec = LlamaSpec.from_model_dir(model_dir)
         raw = read_checkpoint(model_dir)
         expected = spec.expected_shapes()

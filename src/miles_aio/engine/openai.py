@@ -56,7 +56,7 @@ from aiohttp import web
 from miles_aio.chat_template import ChatTemplateError
 from miles_aio.engine import protocol as proto
 from miles_aio.engine.core import EngineClosed, LogprobOptions, Request
-from miles_aio.engine.handlers import _version_spans
+from miles_aio.engine.spans import version_spans
 from miles_aio.engine.state import ServerState, read_body
 
 __all__ = ["OpenAIHandlers"]
@@ -730,7 +730,7 @@ class OpenAIHandlers:
         return _usage(prompt, sum(len(c.req.output_ids) for c in choices))
 
     def _metadata(self, r: Request) -> dict[str, Any]:
-        spans = _version_spans(r.output_versions, current=self.engine.weight_version)
+        spans = version_spans(r.output_versions, current=self.engine.weight_version)
         return {"weight_version": spans[-1]["version"], "weight_versions": spans}
 
     async def _stream(

@@ -13,13 +13,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from miles_aio.engine.model import LlamaSpec
+if TYPE_CHECKING:  # the model reads its checkpoint here: a runtime import back would be a cycle
+    from miles_aio.engine.model import LlamaSpec
 
 __all__ = ["WeightUpdateError", "parse_dtype", "read_checkpoint", "resolve_weights_dir", "stage_update"]
 

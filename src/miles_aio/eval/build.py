@@ -18,7 +18,7 @@ from miles_aio.config import RunConfig
 from miles_aio.data.source import PromptRecord
 from miles_aio.eval.dispatcher import EvalDispatcher, EvalPoints, NoEval
 from miles_aio.eval.external import ExternalEval, load_eval_fn
-from miles_aio.eval.fleet import DedicatedEngineEval
+from miles_aio.eval.fleet import DedicatedEngineEval, EvalFleet
 from miles_aio.eval.shared import EVAL_PRIORITY, SharedEngineEval
 from miles_aio.eval.snapshot_dispatcher import SnapshotEvalDispatcher, SnapshotEvaluator
 from miles_aio.eval.snapshots import snapshot_source
@@ -72,6 +72,11 @@ def build_eval_dispatcher(
     if ev.dedicated_engines:
         if eval_engine is None:
             raise RuntimeError("eval mode 2 needs its engines: enter open_eval_engines(cfg) and pass them")
+        if not isinstance(eval_engine, EvalFleet):
+            raise TypeError(
+                f"eval mode 2 needs its engines as an EngineRouter (open_eval_engines), got "
+                f"{type(eval_engine).__name__}: each point is pinned and verified engine by engine"
+            )
         if not datasets:
             log.warning("eval mode 2 without eval datasets: nothing to evaluate")
             return NoEval()
@@ -83,6 +88,7 @@ def build_eval_dispatcher(
             generate_fn=plugins.generate_fn,
             reward_fn=plugins.reward_fn,
             concurrency=cfg.rollout.sglang_server_concurrency * n_engines,
+            ready_timeout_s=cfg.engine.engine_admin_timeout_s,
         )
     else:
         evaluator = ExternalEval(load_eval_fn(cfg), config=cfg, datasets=datasets)

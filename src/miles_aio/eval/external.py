@@ -23,7 +23,7 @@ from miles_aio.config import RunConfig
 from miles_aio.data.source import PromptRecord
 from miles_aio.errors import ConfigError, PluginError
 from miles_aio.eval.snapshots import EvalSkip
-from miles_aio.plugins import load_object
+from miles_aio.import_paths import load_object
 
 __all__ = ["CheckpointEvalFn", "CheckpointEvalInput", "EvalSkip", "ExternalEval", "load_eval_fn"]
 

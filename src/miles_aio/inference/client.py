@@ -18,11 +18,12 @@ to the same server. The pieces join into one `GenerateOutput` with the producing
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import itertools
 import json
 import uuid
-from collections.abc import Awaitable, Hashable, Mapping
+from collections.abc import Awaitable, Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, final
 
@@ -31,10 +32,11 @@ import httpx
 import structlog
 
 from miles_aio.errors import EngineBadResponse, EngineError, EngineUnavailable
-from miles_aio.inference.base import PauseMode
+from miles_aio.inference.base import ChunkSink, PauseMode, SingleServerBroadcast
 from miles_aio.inference.wire import (
     ROUTING_KEY_HEADER,
     SGLANG_DEFAULT_MAX_NEW_TOKENS,
+    StreamDecoder,
     decode_json_object,
     encode_json,
     join_pieces,
@@ -44,7 +46,7 @@ from miles_aio.inference.wire import (
 )
 from miles_aio.types import GenerateOutput
 
-__all__ = ["AiohttpTransport", "ClientTimeouts", "SGLangClient"]
+__all__ = ["AiohttpTransport", "ClientTimeouts", "FlushRefused", "SGLangClient"]
 
 _log = structlog.get_logger(__name__)
 
@@ -76,9 +78,65 @@ class ClientTimeouts:
             raise ValueError(f"ClientTimeouts must be > 0, got {bad}")
 
 
+class FlushRefused(EngineBadResponse):
+    """`/flush_cache` answered 400: the server refuses to flush while requests are running or queued.
+    Usually transient (requests still draining after a pause), so the router retries it, bounded."""
+
+
 class _State(enum.Enum):
     OPEN = "open"  # usable
     CLOSED = "closed"  # aclose() was called: every call raises EngineUnavailable
+
+
+@contextlib.contextmanager
+def _as_httpx_errors() -> Iterator[None]:
+    """aiohttp's errors as the matching httpx.TransportError (what `SGLangClient._send` maps)."""
+    try:
+        yield
+    except aiohttp.ConnectionTimeoutError as e:
+        raise httpx.ConnectTimeout(str(e) or "connect timed out") from e
+    except TimeoutError as e:  # aiohttp's SocketTimeoutError, or a plain asyncio timeout
+        raise httpx.ReadTimeout(str(e) or "read timed out") from e
+    except aiohttp.ClientConnectorError as e:
+        raise httpx.ConnectError(str(e)) from e
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as e:
+        raise httpx.RemoteProtocolError(str(e) or type(e).__name__) from e
+    except aiohttp.ClientError as e:
+        raise httpx.ReadError(f"{type(e).__name__}: {e}") from e
+
+
+def _aiohttp_timeout(deadlines_s: Mapping[str, float | None]) -> aiohttp.ClientTimeout:
+    """httpx's timeout-extension keys (connect, pool, read) and `total` as aiohttp's timeout."""
+    return aiohttp.ClientTimeout(
+        total=deadlines_s.get("total"),
+        connect=deadlines_s.get("pool"),
+        sock_connect=deadlines_s.get("connect"),
+        sock_read=deadlines_s.get("read"),
+    )
+
+
+class BodyStream:
+    """An answer being read as it arrives (`AiohttpTransport.open_stream`, or any httpx transport's
+    response): `status`, then `read()` piece by piece (b"" at the end), then `aclose()`. Transport errors
+    come out of `read` as httpx.TransportError, like `exchange`'s."""
+
+    def __init__(
+        self,
+        status: int,
+        read: Callable[[], Awaitable[bytes]],
+        close: Callable[[], Awaitable[None]],
+    ) -> None:
+        self.status = status
+        self._read = read
+        self._close = close
+
+    async def read(self) -> bytes:
+        return await self._read()
+
+    async def aclose(self) -> None:
+        """Release the connection: closed, unless the answer was read to its end (the server sees a
+        client that left, and aborts the request)."""
+        await self._close()
 
 
 class AiohttpTransport(httpx.AsyncBaseTransport):
@@ -107,30 +165,49 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         """One round trip: (status, raw headers, body). `deadlines_s` has httpx's timeout-extension keys
         (connect, pool, read) and optionally `total`, one timer for the whole call (cheaper than a read
         timer re-armed on every chunk). aiohttp errors come out as the matching httpx.TransportError."""
-        if self._session is None:
-            connector = aiohttp.TCPConnector(limit=self._limit, keepalive_timeout=self._keepalive_s)
-            self._session = aiohttp.ClientSession(connector=connector, trust_env=False, auto_decompress=False)
-        t = aiohttp.ClientTimeout(
-            total=deadlines_s.get("total"),
-            connect=deadlines_s.get("pool"),
-            sock_connect=deadlines_s.get("connect"),
-            sock_read=deadlines_s.get("read"),
-        )
-        try:
-            async with self._session.request(
+        session = self._client_session()
+        t = _aiohttp_timeout(deadlines_s)
+        with _as_httpx_errors():
+            async with session.request(
                 method, url, data=content, headers=headers, timeout=t, allow_redirects=False
             ) as resp:
                 return resp.status, resp.raw_headers, await resp.read()
-        except aiohttp.ConnectionTimeoutError as e:
-            raise httpx.ConnectTimeout(str(e) or "connect timed out") from e
-        except TimeoutError as e:  # aiohttp's SocketTimeoutError, or a plain asyncio timeout
-            raise httpx.ReadTimeout(str(e) or "read timed out") from e
-        except aiohttp.ClientConnectorError as e:
-            raise httpx.ConnectError(str(e)) from e
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as e:
-            raise httpx.RemoteProtocolError(str(e) or type(e).__name__) from e
-        except aiohttp.ClientError as e:
-            raise httpx.ReadError(f"{type(e).__name__}: {e}") from e
+
+    async def open_stream(
+        self,
+        method: str,
+        url: str,
+        *,
+        content: bytes | None,
+        deadlines_s: Mapping[str, float | None],
+        headers: Mapping[str, str] | list[tuple[str, str]],
+    ) -> BodyStream:
+        """`exchange`, with the body read as it arrives: the `BodyStream` once the status line and headers
+        are in. The `total` deadline covers reading the body too."""
+        session = self._client_session()
+        t = _aiohttp_timeout(deadlines_s)
+        with _as_httpx_errors():
+            resp = await session.request(
+                method, url, data=content, headers=headers, timeout=t, allow_redirects=False
+            )
+
+        async def read() -> bytes:
+            with _as_httpx_errors():
+                return await resp.content.readany()
+
+        async def close() -> None:
+            if resp.content.at_eof():
+                resp.release()
+            else:
+                resp.close()
+
+        return BodyStream(resp.status, read, close)
+
+    def _client_session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=self._limit, keepalive_timeout=self._keepalive_s)
+            self._session = aiohttp.ClientSession(connector=connector, trust_env=False, auto_decompress=False)
+        return self._session
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         status, headers, body = await self.exchange(
@@ -261,9 +338,21 @@ class SGLangClient:
         A continuation waits on this handle's resume event; `continue_generation()` or `aclose()` sets it.
         `routing_key` travels as the `X-SMG-Routing-Key` header, for an sglang-router in front.
         """
+        return await self._continued(
+            input_ids, sampling_params, lambda ids, params: self._generate_once(ids, params, routing_key)
+        )
+
+    async def _continued(
+        self,
+        input_ids: list[int],
+        sampling_params: Mapping[str, Any],
+        once: Callable[[list[int], Mapping[str, Any]], Awaitable[tuple[GenerateOutput, bool]]],
+    ) -> GenerateOutput:
+        """`once(input_ids, sampling_params)`, then, with partial rollout, its continuations after a pause
+        in abort mode (see the module docstring), joined into one output."""
         if sampling_params.get("n", 1) != 1:
             raise ValueError(f"sampling_params n must be 1, got {sampling_params['n']!r}")
-        out, paused_meanwhile = await self._generate_once(input_ids, sampling_params, routing_key)
+        out, paused_meanwhile = await once(input_ids, sampling_params)
         if not self.partial_rollout:
             return out
         max_new = int(sampling_params.get("max_new_tokens", SGLANG_DEFAULT_MAX_NEW_TOKENS))
@@ -277,7 +366,7 @@ class SGLangClient:
             params = {**sampling_params, "max_new_tokens": max_new - len(produced)}
             if isinstance(min_new := params.get("min_new_tokens"), int) and min_new > 0:
                 params["min_new_tokens"] = max(0, min_new - len(produced))
-            out, paused_meanwhile = await self._generate_once(input_ids + produced, params, routing_key)
+            out, paused_meanwhile = await once(input_ids + produced, params)
             pieces.append(out)
             produced.extend(out.output_ids)
         return out if len(pieces) == 1 else join_pieces(pieces, max_new_tokens=max_new)
@@ -334,6 +423,124 @@ class SGLangClient:
         finally:
             await resp.aclose()
 
+    # ---- /generate, streamed -------------------------------------------------------------------------
+
+    async def generate_stream(
+        self,
+        *,
+        input_ids: list[int],
+        sampling_params: Mapping[str, Any],
+        on_chunk: ChunkSink,
+        routing_key: Hashable | None = None,
+    ) -> GenerateOutput:
+        """`generate` over SGLang's streaming `/generate` (`stream: true`: SSE `data:` chunks, cumulative),
+        awaiting `on_chunk` with the new tokens of every chunk (`base.StreamingEngine`). The result is the
+        last chunk parsed as a whole answer, so it is what `generate` returns for the same generation;
+        partial-rollout continuation streams on, and its pieces join as in `generate`."""
+        return await self._continued(
+            input_ids,
+            sampling_params,
+            lambda ids, params: self._stream_once(ids, params, routing_key, on_chunk),
+        )
+
+    async def _stream_once(
+        self,
+        input_ids: list[int],
+        sampling_params: Mapping[str, Any],
+        routing_key: Hashable | None,
+        on_chunk: ChunkSink,
+    ) -> tuple[GenerateOutput, bool]:
+        """One streaming `/generate` (see `_generate_once`)."""
+        self._check_open()
+        rid = f"{self._rid_prefix}-{next(self._rid_counter)}"
+        body = {
+            "rid": rid,
+            "input_ids": input_ids,
+            "sampling_params": dict(sampling_params),
+            "return_logprob": True,
+            "stream": True,
+        }
+        headers = self._gen_headers
+        if routing_key is not None:
+            headers = {**headers, ROUTING_KEY_HEADER: str(routing_key)}
+        epoch = self._pause_epoch
+        where = f"{self.url}/generate rid={rid} (stream)"
+        try:
+            out = await self._send_stream(encode_json(body), headers, where, on_chunk)
+        except EngineUnavailable as e:
+            if isinstance(e.__cause__, httpx.TimeoutException):  # the server may still be generating: stop it
+                try:
+                    await self.abort_request(rid=rid)
+                except EngineError as abort_error:
+                    _log.warning("abort_after_timeout_failed", url=self.url, rid=rid, error=str(abort_error))
+            raise
+        if type(max_new := sampling_params.get("max_new_tokens")) is int and len(out.output_ids) > max_new:
+            raise EngineBadResponse(f"{where}: {len(out.output_ids)} tokens for max_new_tokens={max_new}")
+        return out, self._abort_paused or self._pause_epoch != epoch
+
+    async def _send_stream(
+        self, content: bytes, headers: dict[str, str], where: str, on_chunk: ChunkSink
+    ) -> GenerateOutput:
+        """POST, then read SSE events until the chunk with a finish reason; every chunk's new tokens go to
+        `on_chunk` as they arrive. Transport failures and error events map as in `_send`; a stream that
+        ends before its last chunk is `EngineUnavailable` (the server went away mid-generation)."""
+        try:
+            stream = await self._open_stream(content, headers)
+        except httpx.TimeoutException as e:
+            raise EngineUnavailable(f"{where}: timed out ({type(e).__name__}: {e})") from e
+        except httpx.TransportError as e:
+            raise EngineUnavailable(f"{where}: {type(e).__name__}: {e or 'no connection'}") from e
+        try:
+            if stream.status >= 400:
+                text = _error_text(await _read_all(stream))
+                kind = EngineUnavailable if stream.status >= 500 else EngineBadResponse
+                raise kind(f"{where}: HTTP {stream.status}: {text}")
+            decoder, buffer = StreamDecoder(where), b""
+            while True:
+                try:
+                    piece = await stream.read()
+                except httpx.TimeoutException as e:
+                    raise EngineUnavailable(f"{where}: timed out ({type(e).__name__}: {e})") from e
+                except httpx.TransportError as e:
+                    raise EngineUnavailable(f"{where}: {type(e).__name__}: {e or 'connection lost'}") from e
+                if not piece:
+                    raise EngineUnavailable(f"{where}: the stream ended before the generation finished")
+                buffer += piece
+                *events, buffer = buffer.split(b"\n\n")
+                datas = [d for d in map(_sse_data, events) if d is not None]
+                for k, data in enumerate(datas):
+                    if data == b"[DONE]":
+                        raise EngineBadResponse(f"{where}: [DONE] before a chunk with a finish reason")
+                    if k + 1 < len(datas) and datas[k + 1] != b"[DONE]":
+                        continue  # cumulative: a later chunk that arrived with it covers its tokens
+                    chunk, out = decoder.feed(data)
+                    if chunk.output_ids:
+                        await on_chunk(chunk)
+                    if out is not None:
+                        return out
+        finally:
+            await stream.aclose()
+
+    async def _open_stream(self, content: bytes, headers: dict[str, str]) -> BodyStream:
+        if isinstance(self._transport, AiohttpTransport):
+            return await self._transport.open_stream(
+                "POST", self._generate_url, content=content, headers=headers, deadlines_s=self._gen_deadlines
+            )
+        request = httpx.Request(
+            "POST",
+            self._generate_url,
+            headers=headers,
+            content=content,
+            extensions={"timeout": self._gen_httpx_timeout},
+        )
+        resp = await self._transport.handle_async_request(request)
+        pieces = resp.aiter_raw()
+
+        async def read() -> bytes:
+            return await anext(pieces, b"")
+
+        return BodyStream(resp.status_code, read, resp.aclose)
+
     # ---- control plane -------------------------------------------------------------------------------
 
     async def pause_generation(self, mode: PauseMode) -> None:
@@ -352,8 +559,20 @@ class SGLangClient:
         self._resumed.set()
 
     async def flush_cache(self) -> None:
-        """`/flush_cache` (SGLang answers 400 while requests are running: EngineBadResponse)."""
-        await self._request("POST", "/flush_cache", timeout_s=self._timeouts.admin_s)
+        """`/flush_cache`. SGLang answers 400 while requests are running or waiting in its queue (aborted
+        ones still draining after a pause, say): `FlushRefused`, which the router asks again
+        (`RouterPolicy.flush_attempts`). Any other error status maps as for every call."""
+        self._check_open()
+        t = self._timeouts
+        timeout = httpx.Timeout(t.admin_s, connect=t.connect_s, pool=t.connect_s)
+
+        async def exchange() -> tuple[int, bytes]:
+            resp = await self._http.request("POST", "/flush_cache", timeout=timeout)
+            if resp.status_code == 400:
+                raise FlushRefused(f"{self.url}/flush_cache: HTTP 400: {_error_text(resp.content)}")
+            return resp.status_code, resp.content
+
+        await self._send("/flush_cache", exchange())
 
     async def update_weight_version(self, version: int) -> None:
         """Stamp `version` without aborting in-flight requests (`abort_all_requests: false`)."""
@@ -424,6 +643,10 @@ class SGLangClient:
         """`/destroy_weights_update_group`: leave a broadcast group (one formed for an older membership)."""
         await self._post_json("/destroy_weights_update_group", {"group_name": group_name})
 
+    def weight_broadcast(self) -> SingleServerBroadcast:
+        """This server alone takes a weight push by broadcast (the three calls above)."""
+        return SingleServerBroadcast(self)
+
     async def abort_request(self, *, rid: str = "", abort_all: bool = False) -> None:
         """`/abort_request` for one rid, or for every request with `abort_all`."""
         if not rid and not abort_all:
@@ -450,8 +673,14 @@ class SGLangClient:
         )
 
     async def weight_version(self) -> int | None:
-        """The server's current policy version, read from `/model_info`."""
-        return parse_wire_version((await self.model_info()).get("weight_version"), f"{self.url}/model_info")
+        """The server's current policy version: `/model_info`'s `weight_version` (SGLang's API now), or
+        `/get_weight_version` where `/model_info` has none (older SGLang releases; miles reads both)."""
+        info, where = await self.model_info(), f"{self.url}/model_info"
+        if "weight_version" not in info:
+            where = f"{self.url}/get_weight_version"
+            answer = await self._request("GET", "/get_weight_version", timeout_s=self._timeouts.health_s)
+            info = decode_json_object(answer, where)
+        return parse_wire_version(info.get("weight_version"), where)
 
 
 def _error_text(body: bytes) -> str:
@@ -463,3 +692,18 @@ def _error_text(body: bytes) -> str:
         return body[:200].decode(errors="replace") or "(empty body)"
     err = data.get("error", data.get("message", data)) if isinstance(data, dict) else data
     return str(err.get("message", err) if isinstance(err, dict) else err)[:500]
+
+
+async def _read_all(stream: BodyStream) -> bytes:
+    body = b""
+    while piece := await stream.read():
+        body += piece
+    return body
+
+
+def _sse_data(event: bytes) -> bytes | None:
+    """The data of one SSE event (its `data:` lines joined), or None for a comment or keep-alive."""
+    if event.startswith(b"data: ") and event.find(b"\n") < 0:  # SGLang's: one line of JSON
+        return event[6:].strip()
+    lines = [line[5:].strip() for line in event.splitlines() if line.startswith(b"data:")]
+    return b"\n".join(lines) if lines else None

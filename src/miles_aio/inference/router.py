@@ -15,7 +15,8 @@ engines take requests.
   with exponential backoff. `EngineBadResponse` is not retried: the engine answered, and its answer broke
   the contract; retrying would hide the bug. When no engine is ACTIVE, generate waits (on a notifier, not
   polling) for one to come back, up to `RouterPolicy.unavailable_deadline_s`, then raises
-  `EngineUnavailable`.
+  `EngineUnavailable`. `generate_stream` (tokens handed out as they are produced) routes and waits the
+  same way, and retries only until its first chunk reached the consumer.
 * **Weight pushes** (pause → flush → load → stamp → continue, driven by the controller): `pause_generation`
   starts a push over the ACTIVE and STANDBY engines (`availability.push_members`); every call of the push
   goes to the members concurrently, each bounded by `RouterPolicy.admin_timeout_s`
@@ -23,7 +24,9 @@ engines take requests.
   one `engine_excluded` log line, counted (`router/exclusions`, `perf/engine/excluded`), its in-flight
   generate calls aborted (they raise `EngineUnavailable`, not retried: the rollout pool makes the sample
   ABORTED and its group goes to the unused handler), and the rest of the push goes on without it; a push
-  never fails because of an engine. `continue_generation` ends the push: its members are ACTIVE.
+  never fails because of an engine. A flush refused with 400 (requests still draining) is asked again
+  first, bounded (`RouterPolicy.flush_attempts`, with backoff), as miles does.
+  `continue_generation` ends the push: its members are ACTIVE.
   Admin calls outside a push go to the ACTIVE engines with the same rule.
 * **Rejoining**: one health task per engine (`engine-health-<i>`) probes an OUT engine, after any push in
   progress: `/continue_generation` (an engine excluded mid-push may still be paused) and
@@ -69,8 +72,14 @@ from miles_aio.inference.availability import (
     push_members,
     rejoin_action,
 )
-from miles_aio.inference.base import PauseMode
-from miles_aio.inference.client import ClientTimeouts, SGLangClient
+from miles_aio.inference.base import (
+    ChunkSink,
+    GenerateChunk,
+    PauseMode,
+    WeightGroupMember,
+    generate_streamed,
+)
+from miles_aio.inference.client import ClientTimeouts, FlushRefused, SGLangClient
 from miles_aio.types import GenerateOutput
 
 __all__ = ["ADMIN_TIMEOUT_S", "HEALTH_CHECK_INTERVAL_S", "EngineClient", "EngineRouter", "RouterPolicy"]
@@ -166,6 +175,13 @@ class RouterPolicy:
     engine that misses it is excluded."""
     sticky_keys: int = 100_000
     """Routing keys remembered (least recently used forgotten first)."""
+    flush_attempts: int = 6
+    """`/flush_cache` tries per engine while it answers 400 (SGLang refuses to flush while requests are
+    running or queued, e.g. aborted ones still draining after a pause; miles retries too). Then the
+    engine is excluded, with the reason. All tries together stay within `admin_timeout_s`."""
+    flush_backoff_s: float = 0.25
+    """Pause before the second flush try; doubled for each further one, capped at `retry_backoff_max_s`
+    (defaults: 0.25 + 0.5 + 1 + 2 + 2 s between 6 tries)."""
 
     def __post_init__(self) -> None:
         if min(self.max_retries, self.retry_backoff_s, self.unavailable_deadline_s, self.sticky_keys) < 0:
@@ -174,6 +190,8 @@ class RouterPolicy:
             raise ValueError(f"RouterPolicy needs health_check_interval_s > 0, backoff max >= base: {self}")
         if not self.admin_timeout_s > 0:
             raise ValueError(f"RouterPolicy needs admin_timeout_s > 0: {self}")
+        if self.flush_attempts < 1 or self.flush_backoff_s < 0:
+            raise ValueError(f"RouterPolicy needs flush_attempts >= 1, flush_backoff_s >= 0: {self}")
 
 
 @dataclass(eq=False, slots=True)
@@ -314,8 +332,12 @@ class EngineRouter:
 
     def membership_key(self) -> tuple[tuple[int, int], ...]:
         """Identifies the set of engines `push_clients()` names: it changes whenever an engine leaves or
-        joins the set (a broadcast group formed for another key is stale)."""
+        joins the set (a broadcast group formed for another key is stale). One (index, epoch) per client."""
         return tuple((e.index, e.epoch) for e in self._targets())
+
+    def weight_broadcast(self) -> EngineRouter:
+        """The router is its own `WeightBroadcast`: a push goes to its members (`push_clients()`)."""
+        return self
 
     def _stop(self) -> None:
         self._closing = True
@@ -424,6 +446,52 @@ class EngineRouter:
         `unavailable_deadline_s`); the backoff between attempts; the engine's answer. If the engine is
         excluded meanwhile the call is aborted: `EngineUnavailable`, not retried.
         """
+        return await self._routed(
+            routing_key,
+            lambda client: client.generate(
+                input_ids=input_ids, sampling_params=sampling_params, routing_key=routing_key
+            ),
+        )
+
+    async def generate_stream(
+        self,
+        *,
+        input_ids: list[int],
+        sampling_params: Mapping[str, Any],
+        on_chunk: ChunkSink,
+        routing_key: Hashable | None = None,
+    ) -> GenerateOutput:
+        """`generate`, streamed (`base.StreamingEngine`): the same engine choice, waits and exclusion; an
+        `EngineUnavailable` is retried elsewhere only while no chunk has reached `on_chunk` (after that
+        the consumer holds tokens of this attempt: it raises). A client that cannot stream generates, and
+        its output is one chunk."""
+        delivered = False
+
+        async def sink(chunk: GenerateChunk) -> None:
+            nonlocal delivered
+            delivered = True
+            await on_chunk(chunk)
+
+        return await self._routed(
+            routing_key,
+            lambda client: generate_streamed(
+                client,
+                input_ids=input_ids,
+                sampling_params=sampling_params,
+                on_chunk=sink,
+                routing_key=routing_key,
+            ),
+            retryable=lambda: not delivered,
+        )
+
+    async def _routed(
+        self,
+        routing_key: Hashable | None,
+        call: Callable[[EngineClient], Awaitable[GenerateOutput]],
+        retryable: Callable[[], bool] = lambda: True,
+    ) -> GenerateOutput:
+        """`call` on the engine `_pick` chooses, with the waits, retries and exclusion of `generate`; an
+        EngineUnavailable is retried only while `retryable()` is true."""
         deadline = asyncio.get_running_loop().time() + self.policy.unavailable_deadline_s
         failures = 0
         tried: set[int] = set()
@@ -441,9 +509,7 @@ class EngineRouter:
                 engine.calls.add(task)
             t0 = time.monotonic()
             try:
-                out = await engine.client.generate(
-                    input_ids=input_ids, sampling_params=sampling_params, routing_key=routing_key
-                )
+                out = await call(engine.client)
             except asyncio.CancelledError:
                 if task is not None and task in engine.aborting and task.uncancel() == 0:
                     raise EngineUnavailable(
@@ -454,6 +520,8 @@ class EngineRouter:
                 engine.failures += 1
                 self._mark_unhealthy(engine, e)
                 failures += 1
+                if not retryable():
+                    raise EngineUnavailable(f"failed after streaming tokens, not retried: {e}") from e
                 if failures > self.policy.max_retries:
                     raise EngineUnavailable(f"generate failed {failures} times, giving up; last: {e}") from e
                 engine.retries += 1
@@ -624,7 +692,31 @@ class EngineRouter:
         self._changed.notify()
 
     async def flush_cache(self) -> None:
-        await self._on_members("flush_cache", lambda c: c.flush_cache())
+        """`/flush_cache` on the members. One that refuses (400: requests still running or queued) is
+        asked again, `RouterPolicy.flush_attempts` times in all with backoff; one still refusing then, or
+        failing otherwise, is excluded with the reason."""
+        await self._on_members("flush_cache", self._flush_retrying)
+
+    async def _flush_retrying(self, client: EngineClient) -> None:
+        p, loop = self.policy, asyncio.get_running_loop()
+        t0 = loop.time()
+        for attempt in range(1, p.flush_attempts + 1):
+            try:
+                await client.flush_cache()
+                return
+            except FlushRefused as e:
+                if attempt == p.flush_attempts:
+                    raise FlushRefused(
+                        f"{client.url}: /flush_cache still refused after {attempt} tries over "
+                        f"{loop.time() - t0:.1f}s, giving up (the engine flushes only once no request runs "
+                        "or waits in its queue; a retract pause keeps retracted requests queued until "
+                        f"continue, miles #1497); last answer: {e}"
+                    ) from e
+                delay = min(p.retry_backoff_max_s, p.flush_backoff_s * 2 ** (attempt - 1))
+                _log.info(
+                    "flush_cache_refused", url=client.url, attempt=attempt, retry_in_s=delay, error=str(e)
+                )
+                await asyncio.sleep(delay)
 
     async def update_weight_version(self, version: int) -> None:
         """Stamp `version` on the members (never aborting in-flight requests)."""
@@ -654,7 +746,7 @@ class EngineRouter:
         world_size: int,
         group_name: str = "weight_update_group",
         backend: str = "nccl",
-        clients: Sequence[EngineClient] | None = None,
+        clients: Sequence[WeightGroupMember] | None = None,
     ) -> None:
         """The engines of `clients` (default: `push_clients()`) join the trainer's broadcast group;
         `rank_offsets[i]` is the first rank of `clients[i]`. One excluded meanwhile is skipped (the group
@@ -678,7 +770,7 @@ class EngineRouter:
         )
 
     async def destroy_weights_update_group(
-        self, group_name: str, *, clients: Sequence[EngineClient] | None = None
+        self, group_name: str, *, clients: Sequence[WeightGroupMember] | None = None
     ) -> None:
         """The engines of `clients` (default: `push_clients()`) leave broadcast group `group_name` (formed
         for an older membership: only its members have it)."""

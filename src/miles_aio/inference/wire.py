@@ -13,12 +13,13 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
-from miles_aio.errors import EngineBadResponse
+import msgspec  # a dependency (pyproject): StreamDecoder needs its typed decoding
+
+from miles_aio.errors import EngineBadResponse, EngineError, EngineUnavailable
+from miles_aio.inference.base import GenerateChunk
 from miles_aio.types import FinishReason, GenerateOutput
 
-try:  # msgspec's JSON codec is ~5x faster than the stdlib's on token-id lists; optional
-    import msgspec
-
+try:  # msgspec's JSON codec is ~5x faster than the stdlib's on token-id lists
     encode_json: Callable[[object], bytes] = msgspec.json.Encoder().encode
     _decode_json: Callable[[bytes], object] = msgspec.json.Decoder().decode
     _JSON_ERRORS: tuple[type[Exception], ...] = (msgspec.DecodeError, ValueError, RecursionError)
@@ -32,11 +33,13 @@ __all__ = [
     "MAX_TOKEN_ID",
     "ROUTING_KEY_HEADER",
     "SGLANG_DEFAULT_MAX_NEW_TOKENS",
+    "StreamDecoder",
     "decode_json_object",
     "encode_json",
     "join_pieces",
     "parse_generate_response",
     "parse_wire_version",
+    "stream_error",
     "wire_version",
 ]
 
@@ -152,6 +155,133 @@ def parse_generate_response(body: object, *, where: str) -> GenerateOutput:
         prompt_tokens=prompt_tokens,
         cached_tokens=cached_tokens,
     )
+
+
+class _StreamMeta(msgspec.Struct):
+    finish_reason: object = None
+    output_token_logprobs: msgspec.Raw = msgspec.Raw(b"null")
+    weight_versions: object = None
+    weight_version: object = None
+
+
+class _StreamChunk(msgspec.Struct):
+    output_ids: msgspec.Raw = msgspec.Raw(b"null")
+    meta_info: _StreamMeta | None = None
+    error: object = None
+
+
+_decode_stream_chunk = msgspec.json.Decoder(_StreamChunk).decode
+
+
+class StreamDecoder:
+    """The `data:` chunks of one streaming `/generate`, in SGLang's default (cumulative) form: every chunk
+    carries `output_ids` and `meta_info.output_token_logprobs` for all tokens so far.
+
+    `feed(data)` returns the tokens a chunk adds (checked as `parse_generate_response` checks them) and,
+    for the last chunk (its `finish_reason` is set), the whole answer parsed by `parse_generate_response`,
+    which must be exactly the chunks joined (ids, log-probs, versions). Only what a chunk adds is decoded:
+    the bytes of its two arrays must start with the previous chunk's (compared, not decoded again), so an
+    n-token stream costs O(n) decoding, not O(n²); a chunk whose arrays are spelled differently is decoded
+    whole. A chunk that does not extend the previous one (`--incremental-streaming-output` sends deltas:
+    not supported) is `EngineBadResponse`; an error event is `stream_error`'s exception."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.output_ids: list[int] = []
+        self.log_probs: list[float] = []
+        self.versions: list[int | None] = []
+        self._ids_raw = b""
+        self._lps_raw = b""
+
+    def feed(self, data: bytes) -> tuple[GenerateChunk, GenerateOutput | None]:
+        where, have = self.where, len(self.output_ids)
+        try:
+            c = _decode_stream_chunk(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise EngineBadResponse(f"{where}: invalid stream chunk ({e}); it starts {data[:80]!r}") from e
+        if c.error is not None:
+            raise stream_error(c.error, where)
+        meta = c.meta_info
+        ids_raw, lps_raw = bytes(c.output_ids), bytes(meta.output_token_logprobs) if meta else b"null"
+        if meta is None or ids_raw == b"null" or lps_raw == b"null":
+            raise EngineBadResponse(f"{where}: stream chunk without output_ids or output_token_logprobs")
+        ids = self._added(ids_raw, self._ids_raw, "output_ids")
+        entries = self._added(lps_raw, self._lps_raw, "output_token_logprobs")
+        if len(entries) != len(ids):
+            raise EngineBadResponse(
+                f"{where}: a stream chunk adds {len(entries)} log-probs to {len(ids)} ids"
+            )
+        log_probs: list[float] = []
+        for k in range(len(ids)):
+            i, entry, token_id = have + k, entries[k], ids[k]
+            if type(token_id) is not int or not 0 <= token_id < MAX_TOKEN_ID:
+                raise EngineBadResponse(f"{where}: output_ids[{i}]={_short(token_id)} is not a token id")
+            if type(entry) is not list or len(entry) != 3 or entry[1] != token_id:
+                raise EngineBadResponse(
+                    f"{where}: output_token_logprobs[{i}]={_short(entry)} is not [logprob,{token_id},text]"
+                )
+            lp = entry[0]
+            if (type(lp) is not float and type(lp) is not int) or lp != lp:
+                raise EngineBadResponse(f"{where}: output_token_logprobs[{i}]: {_short(lp)} is not a number")
+            log_probs.append(float(lp))
+        n = have + len(ids)
+        version_meta = {
+            k: v
+            for k, v in (("weight_versions", meta.weight_versions), ("weight_version", meta.weight_version))
+            if v is not None
+        }
+        versions = _expand_versions(version_meta, n, where)[have:]
+        self._ids_raw, self._lps_raw = ids_raw, lps_raw
+        self.output_ids += ids
+        self.log_probs += log_probs
+        self.versions += versions
+        chunk = GenerateChunk(output_ids=ids, output_log_probs=log_probs, weight_versions=versions)
+        if meta.finish_reason is None:
+            return chunk, None
+        out = parse_generate_response(decode_json_object(data, where), where=where)
+        if (out.output_ids, out.output_log_probs, out.weight_versions) != (
+            self.output_ids,
+            self.log_probs,
+            self.versions,
+        ):
+            raise EngineBadResponse(f"{where}: the last stream chunk is not the chunks before it joined")
+        return chunk, out
+
+    def _added(self, raw: bytes, prev: bytes, name: str) -> list[Any]:
+        """The items of JSON array `raw` after the first `len(self.output_ids)`."""
+        have = len(self.output_ids)
+        if have and raw.startswith(prev[:-1]):  # prev is "[...]": the same items, then more
+            rest = raw[len(prev) - 1 :].lstrip()
+            if rest.startswith(b","):
+                items = _decode_json(b"[" + rest[1:])
+                if type(items) is list:
+                    return items
+            elif rest.rstrip() == b"]":
+                return []
+        try:
+            items = _decode_json(raw)
+        except _JSON_ERRORS as e:
+            raise EngineBadResponse(f"{self.where}: stream chunk {name} is not JSON ({e})") from e
+        if type(items) is not list:
+            raise EngineBadResponse(
+                f"{self.where}: stream chunk {name} is {type(items).__name__}, not a list"
+            )
+        if len(items) < have:
+            raise EngineBadResponse(
+                f"{self.where}: stream chunk has {len(items)} {name} after {have}: chunks must be cumulative "
+                "(SGLang's default; --incremental-streaming-output is not supported)"
+            )
+        return items[have:]
+
+
+def stream_error(err: object, where: str) -> EngineError:
+    """An error event of a stream (`{"error": {"message", "code"?}}`): a 5xx code is the server's failure
+    (EngineUnavailable, as an HTTP 5xx); otherwise the request's (SGLang sends a ValueError's message
+    without a code, where a plain `/generate` would answer 400): EngineBadResponse."""
+    message = err.get("message", err) if isinstance(err, dict) else err
+    code = err.get("code") if isinstance(err, dict) else None
+    kind = EngineUnavailable if isinstance(code, int) and code >= 500 else EngineBadResponse
+    return kind(f"{where}: error event: {str(message)[:500]}")
 
 
 def join_pieces(pieces: list[GenerateOutput], *, max_new_tokens: int) -> GenerateOutput:

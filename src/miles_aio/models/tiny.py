@@ -8,22 +8,25 @@ engine (`miles_aio.engine`)::
       config.json               LlamaForCausalLM (`rope_theta` and `rope_parameters`: old and new readers)
       generation_config.json    bos/eos/pad ids
       model.safetensors         float32, HF Llama tensor names
-      tokenizer.json            one token per character of `alphabet`, plus <pad> <s> </s>
+      tokenizer.json            one token per character of `alphabet`, plus <pad> <s> </s> and <unk>
       tokenizer_config.json, special_tokens_map.json   (with the chat template)
 
 Token ids: `<pad>`=0, `<s>`=1, `</s>`=2 (the eos), then the characters of `alphabet` in order of first
-appearance. Encoding adds no special tokens, and characters outside the alphabet are dropped, because the
-tokenizer has no unknown token. A character-level vocabulary keeps the model small and makes toy tasks
-readable, since every sampled token is one visible character.
+appearance, and `<unk>` last (after the chat tokens, when there are any). Encoding adds no special
+tokens; a character outside the alphabet encodes to `<unk>`, one per character, as a Hugging Face
+tokenizer with an unknown token does (`encode("?1") == [unk_token_id, id("1")]`), so nothing a prompt
+says is silently dropped and the response text shows `<unk>` where it was. A character-level vocabulary
+keeps the model small and makes toy tasks readable, since every sampled token is one visible character.
 
 Chat: by default the chat template only concatenates the messages' contents (the ids and weights above
 stay exactly what they always were). With `chat_tokens=True` the vocabulary gains `CHAT_TOKENS`, appended
-after every other id: one special token per role (`<|system|>`, `<|user|>`, `<|assistant|>`, `<|tool|>`)
+after the alphabet: one special token per role (`<|system|>`, `<|user|>`, `<|assistant|>`, `<|tool|>`)
 and the end-of-turn `<|end|>`, which generation_config lists as a second eos, so a reply stops there. The
 template then renders `<s>`, a system turn listing `tools` (as JSON) when given, each message as
 `<|role|>content<|end|>`, and `<|assistant|>` for `add_generation_prompt`; role markers are single
 tokens, so any alphabet can chat. The weights are the default model's, plus embedding (and lm_head) rows
-for the new ids drawn from a generator of their own.
+for the new ids drawn from a generator of their own; so is the row of `<unk>`, so adding it changed no
+other value.
 
 Nothing here imports transformers (it costs seconds); `load_tokenizer` does, lazily.
 """
@@ -49,6 +52,7 @@ __all__ = [
     "EOS_TOKEN",
     "PAD_TOKEN",
     "SPECIAL_TOKENS",
+    "UNK_TOKEN",
     "build_tiny_llama",
     "load_tokenizer",
 ]
@@ -57,13 +61,17 @@ PAD_TOKEN: Final = "<pad>"
 BOS_TOKEN: Final = "<s>"
 EOS_TOKEN: Final = "</s>"
 SPECIAL_TOKENS: Final = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN)
+UNK_TOKEN: Final = "<unk>"
+"""What a character outside the alphabet encodes to; the last id of the vocabulary."""
+_UNK_SEED_OFFSET: Final = 0x0BAD_C4A7
+"""The row of UNK_TOKEN comes from its own generator, seeded `seed + this`."""
 _INITIALIZER_RANGE: Final = 0.02
 """Std of the normal init of every matrix, as transformers' `LlamaConfig.initializer_range` default."""
 # The default chat template: the alphabet is arbitrary, so role markers could not be encoded anyway.
 _CHAT_TEMPLATE: Final = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 END_OF_TURN_TOKEN: Final = "<|end|>"
 CHAT_TOKENS: Final = ("<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", END_OF_TURN_TOKEN)
-"""Added by `chat_tokens=True`, after every other id, in this order."""
+"""Added by `chat_tokens=True`, after the alphabet (and before `<unk>`), in this order."""
 _CHAT_SEED_OFFSET: Final = 0x5EED_C4A7
 """The rows of CHAT_TOKENS come from their own generator, seeded `seed + this`."""
 # With chat_tokens: role markers are single special tokens; unknown roles are refused.
@@ -130,6 +138,8 @@ def build_tiny_llama(
     if chat_tokens:
         for tok in CHAT_TOKENS:
             vocab.setdefault(tok, len(vocab))
+    chat_vocab_size = len(vocab)
+    vocab.setdefault(UNK_TOKEN, len(vocab))
     vocab_size = len(vocab)
     pad_id, bos_id, eos_id = (vocab[t] for t in SPECIAL_TOKENS)
 
@@ -168,7 +178,8 @@ def build_tiny_llama(
     )
     weights = _init_weights(config | {"vocab_size": base_vocab_size}, seed=seed)
     if chat_tokens:
-        weights = _append_rows(weights, vocab_size - base_vocab_size, seed=seed + _CHAT_SEED_OFFSET)
+        weights = _append_rows(weights, chat_vocab_size - base_vocab_size, seed=seed + _CHAT_SEED_OFFSET)
+    weights = _append_rows(weights, vocab_size - chat_vocab_size, seed=seed + _UNK_SEED_OFFSET)
     save_file(
         weights,
         str(out_dir / "model.safetensors"),
@@ -178,7 +189,7 @@ def build_tiny_llama(
         out_dir,
         vocab=vocab,
         model_max_length=max_position_embeddings,
-        special_tokens=SPECIAL_TOKENS + (CHAT_TOKENS if chat_tokens else ()),
+        special_tokens=SPECIAL_TOKENS + (CHAT_TOKENS if chat_tokens else ()) + (UNK_TOKEN,),
         chat_template=_ROLE_CHAT_TEMPLATE if chat_tokens else _CHAT_TEMPLATE,
     )
     return out_dir
@@ -196,6 +207,7 @@ def load_tokenizer(model_dir: Path | str) -> PreTrainedTokenizerFast:
         bos_token=special["bos_token"],
         eos_token=special["eos_token"],
         pad_token=special["pad_token"],
+        unk_token=special.get("unk_token"),  # None in a model written before <unk> existed
         clean_up_tokenization_spaces=False,
         chat_template=config.get("chat_template", _CHAT_TEMPLATE),
     )
@@ -250,13 +262,19 @@ def _write_tokenizer(
     chat_template: str,
 ) -> None:
     # BPE with no merges and no pre-tokenizer splits the whole input into characters and looks each one
-    # up; the Fuse decoder joins tokens with "" (the default decoder would insert spaces). Special tokens
-    # are matched in the text before that split, so a rendered chat's markers encode to their own ids.
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    # up (a character it does not know becomes <unk>); the Fuse decoder joins tokens with "" (the default
+    # decoder would insert spaces). Special tokens are matched in the text before that split, so a
+    # rendered chat's markers encode to their own ids.
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK_TOKEN, fuse_unk=False))
     tok.add_special_tokens(list(special_tokens))
     tok.decoder = decoders.Fuse()
     tok.save(str(out_dir / "tokenizer.json"))
-    special_map = {"pad_token": PAD_TOKEN, "bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN}
+    special_map = {
+        "pad_token": PAD_TOKEN,
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "unk_token": UNK_TOKEN,
+    }
     _write_json(out_dir / "special_tokens_map.json", special_map)
     _write_json(
         out_dir / "tokenizer_config.json",

@@ -8,17 +8,21 @@ step's wall time, so the ratios of a step add up to what happened in that step:
                              the in-flight bound, which means the engines are busy (that is no bubble)
   perf/rollout_blocked_ratio/<reason>, perf/weight_sync_seconds, perf/eval_stall_seconds,
   perf/generated_tokens_per_s, perf/trained_tokens_per_s, perf/wasted_tokens[/<cause>]
+
+The step's phases are timed by a `StepClock` (`with clock.phase("train"): ...`), which gives `StepTimes`.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Literal
 
 from miles_aio.types import Sample
 
-__all__ = ["BLOCKING_REASONS", "StepAccounting", "StepTimes"]
+__all__ = ["BLOCKING_REASONS", "Phase", "StepAccounting", "StepClock", "StepTimes"]
 
 BLOCKING_REASONS = ("buffer_full", "pacing", "paused")
 
@@ -32,6 +36,40 @@ class StepTimes:
     train_s: float
     weight_sync_s: float
     eval_s: float = 0.0
+
+
+Phase = Literal["wait_data", "train", "weight_sync", "eval"]
+
+
+class StepClock:
+    """Times one driver step on `now` (the loop clock), from its construction: `with clock.phase(p):`
+    adds the block's seconds to phase `p` (a phase may run several times; its seconds add up)."""
+
+    def __init__(self, now: Callable[[], float]) -> None:
+        self._now = now
+        self.start = now()
+        self.began: dict[Phase, float] = {}  # when each phase first began
+        self._seconds: dict[Phase, float] = {"wait_data": 0.0, "train": 0.0, "weight_sync": 0.0, "eval": 0.0}
+
+    @contextmanager
+    def phase(self, name: Phase) -> Iterator[None]:
+        t0 = self._now()
+        self.began.setdefault(name, t0)
+        try:
+            yield
+        finally:
+            self._seconds[name] += self._now() - t0
+
+    def times(self) -> StepTimes:
+        """The step so far: its wall time until now and the seconds of each phase."""
+        s = self._seconds
+        return StepTimes(
+            step_s=self._now() - self.start,
+            wait_data_s=s["wait_data"],
+            train_s=s["train"],
+            weight_sync_s=s["weight_sync"],
+            eval_s=s["eval"],
+        )
 
 
 class StepAccounting:

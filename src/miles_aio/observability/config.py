@@ -10,7 +10,7 @@ from typing import Literal
 from miles_aio._fields import flag, opt
 from miles_aio.errors import ConfigError
 
-__all__ = ["ObservabilityConfig"]
+__all__ = ["ObservabilityConfig", "check_observability_installed"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -26,9 +26,9 @@ class ObservabilityConfig:
         500_000, "Events the trace keeps (held in memory until the end); later ones are counted, not kept."
     )
     use_wandb: bool = opt(False, "Also log metrics to wandb (offline unless an API key is configured).")
-    wandb_project: str | None = opt(None, "wandb project (default: miles_aio).")
+    wandb_project: str | None = opt(None, "wandb project.", shown_default="miles_aio")
     wandb_group: str | None = opt(None, "wandb group of the run.")
-    wandb_run_name: str | None = opt(None, "wandb run name (default: the --run-dir name).")
+    wandb_run_name: str | None = opt(None, "wandb run name.", shown_default="the --run-dir name")
     wandb_mode: Literal["auto", "online", "offline", "disabled"] = opt(
         "auto", "wandb mode; auto: $WANDB_MODE, else online with an API key, else offline."
     )
@@ -52,7 +52,10 @@ class ObservabilityConfig:
         named = [n for n in ("wandb_project", "wandb_group", "wandb_run_name") if getattr(self, n)]
         if named and not self.use_wandb:
             raise ConfigError("needs --use-wandb", flags=[*map(flag, named), "--use-wandb"])
-        if self.use_wandb and importlib.util.find_spec("wandb") is None:
-            raise ConfigError(
-                "wandb is not installed (pip install 'miles_aio[wandb]')", flags=["--use-wandb"]
-            )
+
+
+def check_observability_installed(cfg: ObservabilityConfig) -> None:
+    """What the flags ask for is installed here (`miles_aio.config.resolve` calls it once, in the
+    controller process: it looks at the environment, which `__post_init__` never does)."""
+    if cfg.use_wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("wandb is not installed (pip install 'miles_aio[wandb]')", flags=["--use-wandb"])

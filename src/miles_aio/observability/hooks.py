@@ -32,8 +32,8 @@ import structlog
 
 from miles_aio.config import RunConfig
 from miles_aio.errors import ConfigError, PluginError
+from miles_aio.import_paths import load_object
 from miles_aio.metrics import reward_value
-from miles_aio.plugins import load_object
 from miles_aio.types import Sample, Status
 
 __all__ = ["LogHooks", "eval_hook_data", "flat_args", "resolve_log_hooks"]

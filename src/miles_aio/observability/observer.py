@@ -9,6 +9,8 @@ context variables, so every log line of the step loop carries them (`version` is
 `version_pushed`).
 
 Sinks: `<run-dir>/metrics.jsonl` (always, with files), the caller's sinks, wandb (`--use-wandb`).
+The timeline tracer (`run_tracer`) is built first, since the engine client records into it; the observer
+is built last, from the tracer, the buffer and the scheduler state it samples.
 """
 
 from __future__ import annotations
@@ -24,51 +26,56 @@ from miles_aio.observability.accounting import StepTimes
 from miles_aio.observability.engine_load import engine_load_metrics
 from miles_aio.observability.hooks import flat_args, resolve_log_hooks
 from miles_aio.observability.registry import check_metrics
+from miles_aio.observability.reward_watch import RewardWatch
 from miles_aio.observability.trace import NullTracer, Tracer
 from miles_aio.scheduler.policy import SchedulerState
 from miles_aio.types import Group
 
-__all__ = ["RunObserver"]
+__all__ = ["RunObserver", "run_tracer"]
 
 log = structlog.get_logger("miles_aio.controller")
 
 
+def run_tracer(cfg: RunConfig, *, write_files: bool = True) -> Tracer:
+    """The run's timeline trace (`--trace`, written at the end), or a no-op one."""
+    o = cfg.observability
+    if write_files and o.trace:
+        return Tracer(cfg.run_dir / o.trace, max_events=o.trace_max_events)
+    return NullTracer()
+
+
 class RunObserver:
-    """Owns the run's sinks, tracer and hooks; the controller calls it at each step and push."""
+    """Owns the run's sinks, tracer and hooks; the controller calls it at each step and push.
+
+    `buffer` and `state` are what the counter tracks and `rollout/in_flight_groups` sample."""
 
     def __init__(
         self,
         cfg: RunConfig,
         engine: object,
         *,
+        tracer: Tracer,
+        buffer: Sized,
+        state: SchedulerState,
         sinks: Sequence[MetricsSink] = (),
         write_files: bool = True,
     ) -> None:
-        o = cfg.observability
         self.engine = engine
-        self.tracer: Tracer = (
-            Tracer(cfg.run_dir / o.trace, max_events=o.trace_max_events)
-            if write_files and o.trace
-            else NullTracer()
-        )
+        self.tracer = tracer
         self.jsonl = JsonlSink(cfg.run_dir / "metrics.jsonl") if write_files else None
         self.eval_points = JsonlSink(cfg.run_dir / "eval_points.jsonl") if write_files else None
         self.sinks: list[MetricsSink] = [self.jsonl] if self.jsonl is not None else []
         self.sinks.extend(sinks)
-        if o.use_wandb and write_files:
+        if cfg.observability.use_wandb and write_files:
             from miles_aio.observability.wandb_sink import WandbSink
 
             self.sinks.append(WandbSink(cfg))
         self.hooks = resolve_log_hooks(cfg)
         self.args = flat_args(cfg)
+        self.reward_watch = RewardWatch(reward_key=cfg.train.reward_key)
         self.version: int | None = None
-        self._buffer: Sized = ()
-        self._state = SchedulerState()
-        self._eval_started: dict[int, float] = {}  # eval step → when its point was dispatched
-
-    def watch(self, buffer: Sized, state: SchedulerState) -> None:
-        """The run's buffer and scheduler state: counter tracks and `rollout/in_flight_groups`."""
         self._buffer, self._state = buffer, state
+        self._eval_started: dict[int, float] = {}  # eval step → when its point was dispatched
 
     def sample_counters(self) -> None:
         """Counter tracks `buffer_depth` (groups) and `in_flight_samples` (limiter slots of the worker)."""
@@ -117,6 +124,7 @@ class RunObserver:
         metrics.update(eval_metrics)
         check_metrics(metrics)  # a warning, once per name, for a metric the registry lacks
         samples = [s for g in groups for s in g]
+        self.reward_watch.observe(step, samples)  # one warning line per streak of constant-reward steps
         skip_rollout = await self.hooks.log_rollout(self.args, step, samples, metrics, times.wait_data_s)
         skip_eval = False
         for point in evals.points:

@@ -20,6 +20,13 @@ Timestamps come from the event loop's clock (`loop.time()`, virtual under loopti
 in microseconds since the earliest event. Events stay in memory (at most `max_events`; later ones are
 counted in `otherData.dropped_events` and left out) and the file is written once, by `close()`.
 `NullTracer` has the same methods and records nothing.
+
+A run that resumes in the same run directory appends to its trace, as to `metrics.jsonl`: `close()`
+reads the trace already there and writes it back with this process's events after it, one segment per
+process, shifted to start `SEGMENT_GAP_S` after the previous segment's last event (two processes' loop
+clocks have no common origin). Each later segment begins with a global instant event `resumed`, and
+`otherData.segments` lists each segment's start (µs); `max_events` bounds the whole file. A file there
+that is not a readable trace is kept aside as `<name>.unreadable` and a new one started.
 """
 
 from __future__ import annotations
@@ -33,21 +40,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from miles_aio.types import GenerateOutput
 
 __all__ = [
     "CONTROLLER_PID",
     "ENGINE_PID_BASE",
     "FAILED_PID",
+    "SEGMENT_GAP_S",
     "NullTracer",
     "RequestSpan",
     "Tracer",
+    "merge_segments",
     "read_trace",
 ]
 
 CONTROLLER_PID = 1
 ENGINE_PID_BASE = 100
 _THREADS = {"trainer": 1, "eval": 2}
+SEGMENT_GAP_S = 1.0
+"""Seconds of trace time between the end of one process's segment and the start of the next."""
+
+log = structlog.get_logger("miles_aio.observability")
 
 
 def _loop_time() -> float:
@@ -204,15 +219,35 @@ class Tracer:
             e["ts"] = round((start - origin) * 1e6, 3)
             if "dur" in e:
                 e["dur"] = round(round((start + e["dur"] - origin) * 1e6, 3) - e["ts"], 3)
-        doc = {
+        doc: dict[str, Any] = {
             "traceEvents": self._metadata() + events,
             "displayTimeUnit": "ms",
-            "otherData": {"clock": "event loop time", "dropped_events": self.dropped},
+            "otherData": {"clock": "event loop time", "dropped_events": self.dropped, "segments": [0.0]},
         }
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        previous = self._previous()
+        if previous is not None:
+            doc = merge_segments(previous, doc, max_events=self.max_events)
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text(json.dumps(doc, separators=(",", ":")), encoding="utf-8")
         tmp.replace(self.path)
+
+    def _previous(self) -> dict[str, Any] | None:
+        """The trace an earlier process of this run wrote (None: none); an unreadable one is moved aside."""
+        if not self.path.exists():
+            return None
+        try:
+            doc = json.loads(self.path.read_text(encoding="utf-8"))
+            if isinstance(doc, dict) and isinstance(doc.get("traceEvents"), list):
+                return doc
+        except (OSError, UnicodeDecodeError, ValueError):
+            pass
+        aside = self.path.with_name(self.path.name + ".unreadable")
+        self.path.replace(aside)
+        log.warning(
+            "trace: the trace already there is unreadable; kept aside, a new one started", kept=str(aside)
+        )
+        return None
 
 
 class NullTracer(Tracer):
@@ -239,6 +274,44 @@ class NullTracer(Tracer):
 
     def close(self) -> None:
         return None
+
+
+def merge_segments(previous: dict[str, Any], new: dict[str, Any], *, max_events: int) -> dict[str, Any]:
+    """One trace document: `previous`'s events, then `new`'s shifted to start `SEGMENT_GAP_S` after the
+    last of them (µs), behind an instant event `resumed`; track names merged, at most `max_events`
+    events beyond the metadata (the newest left out and counted in `dropped_events`)."""
+    old_meta = [e for e in previous["traceEvents"] if e.get("ph") == "M"]
+    old = [e for e in previous["traceEvents"] if e.get("ph") != "M"]
+    other = previous.get("otherData")
+    old_other: dict[str, Any] = other if isinstance(other, dict) else {}
+    end = max((e.get("ts", 0.0) + e.get("dur", 0.0) for e in old), default=0.0)
+    start = round(end + SEGMENT_GAP_S * 1e6, 3) if old else 0.0
+    shifted = [{**e, "ts": round(e["ts"] + start, 3)} for e in new["traceEvents"] if e.get("ph") != "M"]
+    segments = [*old_other.get("segments", [0.0]), start]
+    marker = {
+        "name": "resumed",
+        "ph": "i",
+        "s": "g",
+        "pid": CONTROLLER_PID,
+        "tid": _THREADS["trainer"],
+        "ts": start,
+        "args": {"segment": len(segments) - 1},
+    }
+    events = [marker, *shifted]
+    room = max(0, max_events - len(old))
+    dropped = int(old_other.get("dropped_events", 0)) + new["otherData"]["dropped_events"]
+    dropped += max(0, len(events) - room)
+    meta, seen = [], set()
+    for e in old_meta + [e for e in new["traceEvents"] if e.get("ph") == "M"]:
+        key = (e.get("name"), e.get("pid"), e.get("tid"), json.dumps(e.get("args"), sort_keys=True))
+        if key not in seen:
+            seen.add(key)
+            meta.append(e)
+    return {
+        "traceEvents": meta + old + events[:room],
+        "displayTimeUnit": new.get("displayTimeUnit", "ms"),
+        "otherData": {**new["otherData"], "dropped_events": dropped, "segments": segments},
+    }
 
 
 def _jsonable(args: dict[str, Any]) -> dict[str, Any]:

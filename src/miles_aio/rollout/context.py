@@ -2,7 +2,8 @@
 
 Users never see HTTP, versions or the limiter: `ctx.engine.generate(...)` takes a limiter slot for
 the duration of one engine call (not for tool calls between turns), and the engine client handles
-routing, retries and partial-rollout continuation.
+routing, retries and partial-rollout continuation. `ctx.engine.generate_stream(..., on_chunk=...)` is the
+same call with the tokens handed out as they are produced (the agent endpoint's `stream: true`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol, final
 import structlog
 
 from miles_aio.config import RunConfig
-from miles_aio.inference.base import InferenceEngine, PauseMode
+from miles_aio.inference.base import ChunkSink, InferenceEngine, PauseMode, WeightBroadcast, generate_streamed
 from miles_aio.observability.trace import NullTracer, Tracer
 from miles_aio.rollout.limiter import Limiter
 from miles_aio.types import GenerateOutput
@@ -66,6 +67,33 @@ class LimitedEngine:
         self.generated_tokens += len(out.output_ids)
         return out
 
+    async def generate_stream(
+        self,
+        *,
+        input_ids: list[int],
+        sampling_params: Mapping[str, Any],
+        on_chunk: ChunkSink,
+        routing_key: Hashable | None = None,
+    ) -> GenerateOutput:
+        """`generate`, with tokens handed to `on_chunk` as the engine produces them (`StreamingEngine`); the
+        limiter slot is held for the whole stream. An engine that cannot stream generates, and its output
+        is one chunk."""
+        async with self.limiter.slot(self.priority):
+            span, out = self.tracer.request_start(routing_key), None
+            try:
+                out = await generate_streamed(
+                    self.inner,
+                    input_ids=input_ids,
+                    sampling_params=sampling_params,
+                    on_chunk=on_chunk,
+                    routing_key=routing_key,
+                )
+            finally:
+                name = "eval generate" if self.priority > 0 else "generate"
+                self.tracer.request_end(span, name, group=routing_key, output=out)
+        self.generated_tokens += len(out.output_ids)
+        return out
+
     async def pause_generation(self, mode: PauseMode) -> None:
         await self.inner.pause_generation(mode)
 
@@ -80,6 +108,9 @@ class LimitedEngine:
 
     async def update_weights_from_disk(self, model_path: str, *, version: int) -> None:
         await self.inner.update_weights_from_disk(model_path, version=version)
+
+    def weight_broadcast(self) -> WeightBroadcast | None:
+        return self.inner.weight_broadcast()
 
     async def aclose(self) -> None:
         await self.inner.aclose()

@@ -1,8 +1,9 @@
 """A resizable capacity limiter with borrower statistics (the one limiter of the rollout pool).
 
 asyncio.Semaphore cannot be resized and does not say who holds what; the pool needs both: the size
-is `--sglang-server-concurrency` × engines (adaptive concurrency will resize it at run time), and
-observability reports how many slots are borrowed and how many coroutines wait.
+is `--sglang-server-concurrency` × engines, which adaptive concurrency (`--async-max-concurrent-samples
+auto`, `scheduler.adaptive.apply_limit`) resizes at run time, and observability reports how many slots
+are borrowed and how many coroutines wait.
 Waiters are served by priority class (higher first: eval requests before rollout ones), FIFO within a
 class; a cancelled waiter never leaks a slot.
 """

@@ -18,7 +18,8 @@ The LOOP (`AdaptiveConcurrency.run`) applies the decisions:
   produces: a new size for the rollout `Limiter` and the same value as the admission policy's
             in-flight bound (`AdmissionLimits.max_in_flight_samples`), so the two never disagree
   waits for: a timer (`interval_s`) or the end of the rollout worker task, whichever comes first
-It is started by the controller in its TaskGroup (`run_adaptive`), and ends with the worker.
+The controller builds it from the run config (`AdaptiveConcurrency.from_config`, `auto` only) and its
+own components, starts it in its TaskGroup (task `adaptive-concurrency`), and it ends with the worker.
 """
 
 from __future__ import annotations
@@ -34,19 +35,21 @@ import structlog
 from miles_aio.observability.engine_load import LoadReporting, engine_load_metrics
 
 if TYPE_CHECKING:
-    from miles_aio.controller import Controller
+    from miles_aio.config import RunConfig
+    from miles_aio.observability.accounting import StepAccounting
     from miles_aio.rollout.limiter import Limiter
-    from miles_aio.scheduler.worker import RolloutWorker
+    from miles_aio.scheduler.policy import AdmissionLimits
 
 __all__ = [
     "AdaptiveConcurrency",
     "AdaptiveMemory",
     "AdaptiveParams",
+    "AdmissionBound",
     "EngineLoad",
     "Observation",
     "ReportsLoad",
     "decide_limit",
-    "run_adaptive",
+    "load_sampler",
 ]
 
 log = structlog.get_logger("miles_aio.adaptive")
@@ -58,6 +61,17 @@ class EngineLoad:
 
     running: float
     queued: float
+
+
+class AdmissionBound(Protocol):
+    """What the loop reads and sets of admission (a `miles_aio.scheduler.worker.AdmissionGate`)."""
+
+    @property
+    def limits(self) -> AdmissionLimits: ...
+
+    def blocked_seconds(self, now: float) -> dict[str, float]: ...
+
+    def set_max_in_flight(self, samples: int) -> None: ...
 
 
 @runtime_checkable
@@ -144,13 +158,13 @@ def decide_limit(
     return new, AdaptiveMemory(obs.throughput, direction, memory.settled), "grow" if new > limit else "at_max"
 
 
-def apply_limit(limit: int, *, limiter: Limiter, worker: RolloutWorker) -> None:
+def apply_limit(limit: int, *, limiter: Limiter, gate: AdmissionBound) -> None:
     """Resize the limiter and the admission policy's in-flight bound together (the same value).
 
     A larger bound wakes the admission loop at once; a smaller one lets in-flight requests finish and
     admits nothing new until below it."""
     limiter.total_tokens = limit
-    worker.set_max_in_flight(limit)
+    gate.set_max_in_flight(limit)
 
 
 class AdaptiveConcurrency:
@@ -161,7 +175,7 @@ class AdaptiveConcurrency:
         params: AdaptiveParams,
         *,
         limiter: Limiter,
-        worker: RolloutWorker,
+        gate: AdmissionBound,
         generated_tokens: Callable[[], int],
         sample_load: Callable[[], Awaitable[EngineLoad | None]],
         retracted: Callable[[], int] = lambda: 0,
@@ -169,20 +183,53 @@ class AdaptiveConcurrency:
         initial: int | None = None,
     ) -> None:
         self.params = params
-        self._limiter, self._worker = limiter, worker
+        self._limiter, self._gate = limiter, gate
         self._tokens, self._sample_load, self._retracted = generated_tokens, sample_load, retracted
         self.interval_s = interval_s
-        self.limit = params.clamp(initial if initial is not None else worker.limits.max_in_flight_samples)
+        self.limit = params.clamp(initial if initial is not None else gate.limits.max_in_flight_samples)
         self.memory = AdaptiveMemory()
         self.history: list[tuple[float, int, str]] = []  # (loop time, limit after, reason)
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: RunConfig,
+        *,
+        limiter: Limiter,
+        gate: AdmissionBound,
+        accounting: StepAccounting,
+        generated_tokens: Callable[[], int],
+        sample_load: Callable[[], Awaitable[EngineLoad | None]],
+    ) -> AdaptiveConcurrency | None:
+        """The run's loop with `--async-max-concurrent-samples auto`, else None: bounds from
+        --adaptive-concurrency-min/max/interval-s, steps of whole groups, starting from the run's initial
+        in-flight bound; aborted tokens (`accounting`) count as retracted requests."""
+        s = cfg.scheduler
+        if not s.adaptive:
+            return None
+        params = AdaptiveParams(
+            lo=s.adaptive_concurrency_min,
+            hi=s.adaptive_concurrency_max,
+            group_size=cfg.rollout.n_samples_per_prompt,
+        )
+        return cls(
+            params,
+            limiter=limiter,
+            gate=gate,
+            generated_tokens=generated_tokens,
+            sample_load=sample_load,
+            retracted=lambda: accounting.wasted_tokens["aborted"],
+            interval_s=s.adaptive_concurrency_interval_s,
+            initial=cfg.max_in_flight_samples,
+        )
 
     async def run(self, until: asyncio.Future[Any]) -> None:
         """Decide every interval until `until` (the worker task, owned by the caller's TaskGroup) is
         done; then return."""
         loop = asyncio.get_running_loop()
-        apply_limit(self.limit, limiter=self._limiter, worker=self._worker)
+        apply_limit(self.limit, limiter=self._limiter, gate=self._gate)
         t, tokens, retracted = loop.time(), self._tokens(), self._retracted()
-        blocked = self._worker.blocked_seconds(t).get("capacity", 0.0)
+        blocked = self._gate.blocked_seconds(t).get("capacity", 0.0)
         self.history.append((t, self.limit, "start"))
         while True:
             finished, _ = await asyncio.wait([until], timeout=self.interval_s)
@@ -191,7 +238,7 @@ class AdaptiveConcurrency:
             now = loop.time()
             load = await self._sample_load()
             now_tokens, now_retracted = self._tokens(), self._retracted()
-            now_blocked = self._worker.blocked_seconds(now).get("capacity", 0.0)
+            now_blocked = self._gate.blocked_seconds(now).get("capacity", 0.0)
             dt = max(now - t, 1e-9)
             obs = Observation(
                 load=load,
@@ -204,7 +251,7 @@ class AdaptiveConcurrency:
             if new != self.limit:
                 log.info("adaptive concurrency", limit=new, was=self.limit, reason=reason)
                 self.limit = new
-                apply_limit(new, limiter=self._limiter, worker=self._worker)
+                apply_limit(new, limiter=self._limiter, gate=self._gate)
             self.history.append((now, new, reason))
 
 
@@ -221,27 +268,3 @@ def load_sampler(engine: object) -> Callable[[], Awaitable[EngineLoad | None]]:
         return None
 
     return sample
-
-
-async def run_adaptive(controller: Controller, worker_task: asyncio.Future[Any]) -> None:
-    """The controller's adaptive-concurrency task: returns at once unless `auto`, else runs the loop."""
-    s = controller.cfg.scheduler
-    if not s.adaptive:
-        return
-    params = AdaptiveParams(
-        lo=s.adaptive_concurrency_min,
-        hi=s.adaptive_concurrency_max,
-        group_size=controller.cfg.rollout.n_samples_per_prompt,
-    )
-    acc = controller.accounting
-    loop = AdaptiveConcurrency(
-        params,
-        limiter=controller.limiter,
-        worker=controller.worker,
-        generated_tokens=lambda: controller.engine.generated_tokens,
-        sample_load=load_sampler(controller.engine.inner),
-        retracted=lambda: acc.wasted_tokens["aborted"],
-        interval_s=s.adaptive_concurrency_interval_s,
-        initial=controller.cfg.max_in_flight_samples,
-    )
-    await loop.run(worker_task)

@@ -5,7 +5,8 @@ The rollout worker (`miles_aio.scheduler.worker`) reports every event to a `Sche
 
 * **In-flight bound** (`--async-max-concurrent-samples`): slots are counted in samples. A group takes
   `n` slots on admission. With granularity `sample` each finished sample frees its slot; with `group`
-  the slots are freed together when the group's slowest sample finishes.
+  the slots are freed together when the whole group task returns (`on_group_generated`): after its
+  slowest sample and after a `--group-rm` reward, so groups cannot pile up inside a slow group reward.
 * **Blocked put**: while a finished group waits for room in a full buffer, nothing is admitted (as in
   miles, where the worker loop itself blocks on `put`). Slots are still freed, so the pool drains.
 * **Admission pacing** (`--max-admission-staleness K`): a group is admitted only if it cannot be more
@@ -157,12 +158,13 @@ class SchedulerState:
         if flight.remaining <= 0:
             raise ValueError(f"group {group_id}: more samples finished than were admitted")
         flight.remaining -= 1
-        freed = 1 if granularity == "sample" else (flight.slots if flight.remaining == 0 else 0)
+        freed = 1 if granularity == "sample" else 0  # group: all at once, in on_group_generated
         flight.slots -= freed
         self.slots_held -= freed
 
     def on_group_generated(self, group_id: int) -> None:
-        """The group left the pool (finished, or failed as a whole): release anything it still holds."""
+        """The group task returned (its samples and any `--group-rm` reward are done, or it failed as a
+        whole): release what it still holds — under `group` granularity, all its slots."""
         flight = self._flights.pop(group_id)
         self.slots_held -= flight.slots
 

@@ -3,12 +3,19 @@
 _admission loop (one, `run()`):
   consumes: prompt groups from the DataSource (recycled first)
   produces: one group task per admitted group, in the worker's TaskGroup
-  waits for: `decide_admission()` to return None (in-flight bound, blocked put, pacing, pause)
+  waits for: the `AdmissionGate` to open (`decide_admission()` returns None: in-flight bound, blocked
+             put, pacing, pause)
   unblocked by: a sample or group finishing, a put completing, the driver consuming or discarding a
-                group, a new policy version, resume()
+                group, a new policy version, a new in-flight bound, resume()
 _group task (one per admitted group):
   consumes: its prompt group; produces: one `BufferItem` into the DataBuffer
   waits for: the rollout pool (engine calls), then `buffer.put()` (blocks while the buffer is full)
+
+`AdmissionGate` is the admission decision's inputs (limits, `SchedulerState`) with the notifier that
+wakes the admission loop on every change and the clock of the time it spent blocked. It is built before
+the buffer and the worker, so that what tells admission of changes — the buffer's group fates
+(discards), the driver (consumption, versions), adaptive concurrency (the bound), the step accounting
+(blocked seconds) — needs no worker.
 
 The worker never returns on its own. It stops when its task is cancelled (shutdown) or when a group
 task raises (user code, engine failure under a loud policy): the TaskGroup cancels the other groups
@@ -19,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Iterable
 from dataclasses import replace
 from typing import NoReturn
 
@@ -33,84 +40,49 @@ from miles_aio.rollout.pool import RolloutPool
 from miles_aio.scheduler.policy import AdmissionLimits, SchedulerState, decide_admission
 from miles_aio.types import BufferItem, Group, group_oldest_version
 
-__all__ = ["RolloutWorker"]
+__all__ = ["AdmissionGate", "RolloutWorker"]
 
 log = structlog.get_logger("miles_aio.worker")
 
 
-class RolloutWorker:
-    def __init__(
-        self,
-        *,
-        limits: AdmissionLimits,
-        source: DataSource,
-        pool: RolloutPool,
-        buffer: DataBuffer,
-        ledger: Ledger,
-        state: SchedulerState | None = None,
-    ) -> None:
+class AdmissionGate:
+    """Where the admission loop waits: the limits, the scheduler state, a notifier woken by every change
+    of either, and the seconds spent blocked, by reason (see the module docstring)."""
+
+    def __init__(self, limits: AdmissionLimits, state: SchedulerState | None = None) -> None:
         self.limits = limits
         self.state = state if state is not None else SchedulerState()
-        self._source = source
-        self._pool = pool
-        self._buffer = buffer
-        self._ledger = ledger
         self._changed = Notifier()
-        # admitted, not yet handed to the buffer; their pristine prompt groups are rebuilt from the data
-        # source on demand (deterministic from the group id) rather than deep-copied on every admission
-        self._pending: set[int] = set()
-        self._resubmit: list[Group] = []  # in flight at a checkpoint: admitted again first on resume
         # time the admission loop spent blocked, by reason (capacity, buffer_full, pacing, paused)
         self._blocked_s: defaultdict[str, float] = defaultdict(float)
         self._blocked_since: tuple[str, float] | None = None
-        self.finished_groups = 0
-        self.consumed_hooks: list[Callable[[int], None]] = []  # told of every group the driver consumed
 
-    # -- the loops ------------------------------------------------------------------------------------
-    async def run(self) -> NoReturn:
+    async def wait_open(self) -> None:
+        """Return once `decide_admission()` admits the next group; each wait is charged to its reason."""
         loop = asyncio.get_running_loop()
-        async with asyncio.TaskGroup() as tg:
-            while True:
-                while (reason := decide_admission(self.limits, self.state)) is not None:
-                    self._blocked_since = (reason.value, loop.time())
-                    try:
-                        await self._changed.wait()
-                    finally:
-                        self._blocked_s[reason.value] += loop.time() - self._blocked_since[1]
-                        self._blocked_since = None
-                resubmitted = bool(self._resubmit)
-                prompt_group = self._resubmit.pop(0) if resubmitted else self._source.next_group()
-                gid = prompt_group[0].group_index
-                self.state.on_admit(gid, len(prompt_group))
-                self._ledger.record("resubmitted" if resubmitted else "admitted", gid)
-                self._pending.add(gid)
-                tg.create_task(self._run_group(gid, prompt_group), name=f"rollout-group-{gid}")
+        while (reason := decide_admission(self.limits, self.state)) is not None:
+            self._blocked_since = (reason.value, loop.time())
+            try:
+                await self._changed.wait()
+            finally:
+                self._blocked_s[reason.value] += loop.time() - self._blocked_since[1]
+                self._blocked_since = None
 
-    async def _run_group(self, gid: int, prompt_group: Group) -> None:
-        try:
-            group = await self._pool.run_group(prompt_group, on_sample_done=lambda: self._sample_done(gid))
-        finally:
-            self.state.on_group_generated(gid)
-            self._changed.notify()
-        item = BufferItem(group=group, prompt_group=self._source.make_group(gid))
-        self.state.on_put_blocked()
-        try:
-            await self._buffer.put(item)
-        finally:
-            self.state.on_put_unblocked()
-            self._changed.notify()
-        self._pending.discard(gid)
-        self.finished_groups += 1
-
-    def _sample_done(self, gid: int) -> None:
-        self.state.on_sample_done(gid, self.limits.granularity)
+    def notify(self) -> None:
+        """The state changed (the worker's own events): let the admission loop decide again."""
         self._changed.notify()
 
-    # -- what the driver and the buffer callbacks tell the worker ------------------------------------
+    def blocked_seconds(self, now: float) -> dict[str, float]:
+        """Cumulative seconds the admission loop has been blocked, by reason, including a wait in progress."""
+        totals = dict(self._blocked_s)
+        if self._blocked_since is not None:
+            reason, since = self._blocked_since
+            totals[reason] = totals.get(reason, 0.0) + now - since
+        return totals
+
+    # -- what the driver, the buffer's fates and adaptive concurrency tell admission -----------------
     def on_consumed(self, gid: int) -> None:
         self.state.on_consumed(gid)
-        for hook in self.consumed_hooks:
-            hook(gid)
         self._changed.notify()
 
     def on_discarded(self, gid: int) -> None:
@@ -134,25 +106,88 @@ class RolloutWorker:
         self.limits = replace(self.limits, max_in_flight_samples=max(samples, self.limits.group_size))
         self._changed.notify()
 
+    def restore(self, finished: Iterable[tuple[int, int]], *, start_step: int, version: int) -> None:
+        """Resume from a checkpoint: pace from its step and version; its finished (buffered or drained)
+        groups, given as (group id, oldest version), count as unconsumed."""
+        schedule = replace(self.limits.schedule, start_step=start_step, start_version=version)
+        self.limits = replace(self.limits, schedule=schedule)
+        for gid, oldest in finished:
+            self.state.on_restored(gid, oldest)
+        self._changed.notify()
+
+
+class RolloutWorker:
+    def __init__(
+        self,
+        *,
+        gate: AdmissionGate,
+        source: DataSource,
+        pool: RolloutPool,
+        buffer: DataBuffer,
+        ledger: Ledger,
+    ) -> None:
+        self.gate = gate
+        self._source = source
+        self._pool = pool
+        self._buffer = buffer
+        self._ledger = ledger
+        # admitted, not yet handed to the buffer; their pristine prompt groups are rebuilt from the data
+        # source on demand (deterministic from the group id) rather than deep-copied on every admission
+        self._pending: set[int] = set()
+        self._resubmit: list[Group] = []  # in flight at a checkpoint: admitted again first on resume
+        self.finished_groups = 0
+
+    @property
+    def state(self) -> SchedulerState:
+        return self.gate.state
+
+    # -- the loops ------------------------------------------------------------------------------------
+    async def run(self) -> NoReturn:
+        state = self.gate.state
+        async with asyncio.TaskGroup() as tg:
+            while True:
+                await self.gate.wait_open()
+                resubmitted = bool(self._resubmit)
+                prompt_group = self._resubmit.pop(0) if resubmitted else self._source.next_group()
+                gid = prompt_group[0].group_index
+                state.on_admit(gid, len(prompt_group))
+                self._ledger.record("resubmitted" if resubmitted else "admitted", gid)
+                self._pending.add(gid)
+                tg.create_task(self._run_group(gid, prompt_group), name=f"rollout-group-{gid}")
+
+    async def _run_group(self, gid: int, prompt_group: Group) -> None:
+        state = self.gate.state
+        try:
+            group = await self._pool.run_group(prompt_group, on_sample_done=lambda: self._sample_done(gid))
+        finally:
+            state.on_group_generated(gid)
+            self.gate.notify()
+        item = BufferItem(group=group, prompt_group=self._source.make_group(gid))
+        state.on_put_blocked()
+        try:
+            await self._buffer.put(item)
+        finally:
+            state.on_put_unblocked()
+            self.gate.notify()
+        self._pending.discard(gid)
+        self.finished_groups += 1
+
+    def _sample_done(self, gid: int) -> None:
+        self.gate.state.on_sample_done(gid, self.gate.limits.granularity)
+        self.gate.notify()
+
+    # -- checkpoints ----------------------------------------------------------------------------------
     def restore(
         self, finished: list[BufferItem], in_flight: list[Group], *, start_step: int, version: int
     ) -> None:
         """Resume from a checkpoint: pace from its step and version, count its finished (buffered or
         drained) groups as unconsumed, and admit the groups it had in flight again before any other."""
-        schedule = replace(self.limits.schedule, start_step=start_step, start_version=version)
-        self.limits = replace(self.limits, schedule=schedule)
-        for item in finished:
-            self.state.on_restored(item.group_index, group_oldest_version(item.group) or version)
         self._resubmit.extend(in_flight)
-        self._changed.notify()
-
-    def blocked_seconds(self, now: float) -> dict[str, float]:
-        """Cumulative seconds the admission loop has been blocked, by reason, including a wait in progress."""
-        totals = dict(self._blocked_s)
-        if self._blocked_since is not None:
-            reason, since = self._blocked_since
-            totals[reason] = totals.get(reason, 0.0) + now - since
-        return totals
+        self.gate.restore(
+            ((it.group_index, group_oldest_version(it.group) or version) for it in finished),
+            start_step=start_step,
+            version=version,
+        )
 
     def pending_prompt_groups(self) -> list[Group]:
         """Prompt groups admitted but not yet in the buffer (for checkpoints: re-submitted on resume)."""

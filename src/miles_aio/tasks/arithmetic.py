@@ -197,7 +197,3 @@ def greedy_solve(model: Any, tok: Any, problems: Sequence[Problem], max_new: int
     eos = tok.eos_token_id
     rows = [row[: row.index(eos)] if eos in row else row for row in out[:, ids.shape[1] :].tolist()]
     return [tok.decode(r) for r in rows]
-
-
-def greedy_accuracy(model: Any, tok: Any, problems: Sequence[Problem]) -> float:
-    return accuracy(greedy_solve(model, tok, problems), problems)

@@ -1,80 +1,200 @@
 """Fakes at the engine and trainer seams, driven by time alone (run them on virtual time: looptime).
 
-`FakeLatencyEngine` turns each generate call into "work": seconds of *unpaused* engine time drawn
-from a latency distribution, during which tokens appear at a steady rate. A pause stops the clock of
-every request; a weight version stamped during the pause applies to the tokens produced after it, so
-per-token versions behave like the real engines'. With `mode="abort"` a pause returns every
-in-flight request with the tokens produced so far and finish_reason "abort".
+`FakeLatencyEngine` is the one FAKE engine (no model, no HTTP) of the virtual-time tests, the pipeline
+benchmark and the simulator (`benchmarks.simulate`): continuous batching on a latency model. It stands
+for one engine, or for `num_engines` identical ones (round robin). Each request draws its size on arrival
+from one of two request models:
+
+* `latency` (seconds; the scheduler tests' model): the request takes that many seconds of unpaused
+  engine time, its round(latency × `tokens_per_s`) tokens appearing at a steady rate over them,
+  whatever else runs;
+* `lengths` (tokens; the simulator's model): the running requests of an engine decode in lock-step, one
+  token each per decode step, and a step with r running takes `per_token_s(r)` = `base_per_token_s` +
+  `slope_per_token_s` × r (or a measured `per_token_curve`): per-request speed falls and engine
+  throughput saturates as concurrency grows, as on a real engine.
+
+One time model runs both: an engine counts decode steps (a latency-model step is one second), a request
+needs `work` steps (its length, or its latency) and yields its tokens evenly over them. At most
+`max_running` requests per engine decode (default: no bound), the rest wait in its queue, FIFO. Each
+request's start holds up the engine's decoding (`prefill_s`, or a measured `prefill_curve` by requests
+at the engine: its prefill and handling); `request_latency_s` is latency outside the engine (HTTP,
+client). Processor sharing, event driven: one step counter per engine, a heap of finish thresholds and
+one timer (`loop.call_at`, no task) at the next finish; arrivals, finishes, pauses and version stamps
+move the clock exactly.
+
+A pause (retract, in_place) stops decoding, and a paused engine holds new requests until continue, as
+SGLang does; with `mode="abort"` a pause returns every request with the tokens decoded so far and
+finish_reason "abort". Per-token versions: the version stamped when each token was decoded, as on the
+real engines.
 
 It also stands in for one engine behind the `EngineRouter` (the router's `client_factory`: `url`,
 `health_generate`, `weight_version`, the broadcast calls), with faults a test injects: `fail(call, error)`
 (the next `call` raises it), `slow(call, s)` (every `call` takes s seconds), `freeze()`/`thaw()` (every call
-hangs and generation stops, like a SIGSTOPped process), `kill()`/`revive()` (every call, in flight or new,
+hangs and decoding stops, like a SIGSTOPped process), `kill()`/`revive()` (every call, in flight or new,
 raises EngineUnavailable, like a dead server).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import heapq
+import itertools
 import json
 import math
 import random
-from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from miles_aio._durable import write_file_atomic
 from miles_aio._notify import Notifier
 from miles_aio.errors import EngineError, EngineUnavailable
-from miles_aio.inference.base import InferenceEngine, PauseMode
+from miles_aio.inference.base import InferenceEngine, PauseMode, SingleServerBroadcast
+from miles_aio.scheduler.adaptive import EngineLoad
 from miles_aio.types import GenerateOutput, Group
 
-__all__ = ["FakeLatencyEngine", "FakeTokenizer", "FakeTrainer", "LogNormalLatency"]
+__all__ = [
+    "EmpiricalLengths",
+    "FakeLatencyEngine",
+    "FakeTokenizer",
+    "FakeTrainer",
+    "LogNormal",
+    "LogNormalLatency",
+]
 
 _Z99 = 2.3263478740408408  # the standard normal's 99th percentile
+_EPS = 1e-9  # decode steps: sums of float step counts are not exact
 
 
 @dataclass(frozen=True, slots=True)
-class LogNormalLatency:
-    """Latency with a given median and 99th percentile (long tail: p99/p50 >= 10 is typical of RL)."""
+class LogNormal:
+    """A long-tailed quantity (request seconds, response tokens) with median `p50` and 99th percentile
+    `p99` (p99/p50 >= 10 is typical of RL; a p99 below p50 means no spread)."""
 
-    p50_s: float
-    p99_s: float
+    p50: float
+    p99: float
 
     @property
     def sigma(self) -> float:
-        return math.log(self.p99_s / self.p50_s) / _Z99
+        return math.log(max(self.p99, self.p50) / self.p50) / _Z99
 
     @property
-    def mean_s(self) -> float:
-        return self.p50_s * math.exp(self.sigma**2 / 2)
+    def mean(self) -> float:
+        return self.p50 * math.exp(self.sigma**2 / 2)
 
     def __call__(self, rng: random.Random) -> float:
-        return self.p50_s * math.exp(self.sigma * rng.gauss(0.0, 1.0))
+        return self.p50 * math.exp(self.sigma * rng.gauss(0.0, 1.0))
+
+
+LogNormalLatency = LogNormal
+"""`LogNormal`, by the name the scheduler tests draw request latencies (seconds) with."""
+
+
+@dataclass(frozen=True, slots=True)
+class EmpiricalLengths:
+    """Response lengths resampled from recorded ones (e.g. a run's trace or metrics)."""
+
+    values: Sequence[int]
+
+    def __post_init__(self) -> None:
+        if not self.values:
+            raise ValueError("no recorded lengths")
+
+    @property
+    def mean(self) -> float:
+        return sum(self.values) / len(self.values)
+
+    def __call__(self, rng: random.Random) -> int:
+        return max(1, int(rng.choice(self.values)))
+
+
+@dataclass(eq=False, slots=True)
+class _Req:
+    n: int  # tokens to produce
+    work: float  # decode steps they take
+    fut: asyncio.Future[None]
+    ids: list[int] | None = None  # drawn on arrival (latency model) or when it ends (lengths model)
+    start: float = 0.0  # the engine's step count when it started running
+    done_tokens: int = 0  # set when it ends
+    marks: list[tuple[int, int | None]] = field(default_factory=list)  # (from token, version)
+
+
+class _Engine:
+    """One engine's processor-sharing state (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.steps = 0.0  # decode steps each running request has made since the engine started
+        self.t = 0.0
+        self.stall_until = 0.0  # decoding waits for the request starts (prefills) so far
+        self.running: dict[int, _Req] = {}
+        self.heap: list[tuple[float, int]] = []  # (finish threshold in steps, request id)
+        self.queue: collections.deque[tuple[int, _Req]] = collections.deque()
+
+    def progress(self, req: _Req) -> int:
+        """Tokens `req` has decoded so far."""
+        made = self.steps - req.start
+        if made + _EPS >= req.work:
+            return req.n
+        return min(req.n, math.floor(made * (req.n / req.work) + _EPS))
+
+
+def _now() -> float | None:
+    try:
+        return asyncio.get_running_loop().time()
+    except RuntimeError:  # no loop: nothing can be in flight
+        return None
 
 
 class FakeLatencyEngine(InferenceEngine):
-    """A FAKE engine: no model, no HTTP; latency and tokens are drawn from `latency` and `tokens_per_s`."""
+    """A FAKE engine: continuous batching on a latency model, no model, no HTTP (module docstring).
+
+    Give one request model: `latency` (a draw of seconds; tokens at `tokens_per_s`) or `lengths` (a draw
+    of tokens; decode steps of `per_token_s(running)`)."""
 
     def __init__(
         self,
-        latency: Callable[[random.Random], float],
+        latency: Callable[[random.Random], float] | None = None,
         *,
         tokens_per_s: float = 100.0,
+        lengths: Callable[[random.Random], float] | None = None,
+        base_per_token_s: float = 0.02,
+        slope_per_token_s: float = 0.0,
+        per_token_curve: Sequence[tuple[float, float]] = (),
+        max_running: int | None = None,
+        num_engines: int = 1,
+        prefill_s: float = 0.0,
+        prefill_curve: Sequence[tuple[float, float]] = (),
+        request_latency_s: float = 0.0,
         vocab_size: int = 256,
         seed: int = 0,
         url: str = "fake://engine",
     ) -> None:
+        if (latency is None) == (lengths is None):
+            raise ValueError("give one request model: latency (seconds) or lengths (tokens)")
         self.url = url
-        self._latency = latency
+        self._latency, self._lengths = latency, lengths
         self._tokens_per_s = tokens_per_s
+        self.base_per_token_s, self.slope_per_token_s = base_per_token_s, slope_per_token_s
+        self._curve = sorted(per_token_curve)
+        self.prefill_s, self.request_latency_s = prefill_s, request_latency_s
+        self._prefill_curve = sorted(prefill_curve)
+        if len(self._curve) == 1 or any(t <= 0 for _, t in self._curve):
+            raise ValueError("a per-token curve needs >= 2 (running, seconds > 0) points")
+        if any(t < 0 for _, t in self._prefill_curve):
+            raise ValueError("a prefill curve needs (running, seconds >= 0) points")
+        self.max_running = max_running
+        self._cap = math.inf if max_running is None else max_running
         self._vocab = vocab_size
         self._rng = random.Random(seed)
+        self._engines = [_Engine() for _ in range(num_engines)]
+        self._ids = itertools.count()
+        self._rr = itertools.count()
+        self._timer: asyncio.TimerHandle | None = None
         self._paused: PauseMode | None = None
         self._changed = Notifier()
         self.version: int | None = None
-        self.in_flight = 0
         self.max_in_flight = 0
         self.requests = 0
         self.calls: list[str] = []  # admin calls, in order
@@ -84,6 +204,129 @@ class FakeLatencyEngine(InferenceEngine):
         self.model_path: str | None = None
         self._faults: dict[str, list[EngineError]] = {}
         self._slow: dict[str, float] = {}
+
+    # -- the time model ---------------------------------------------------------------------------------
+    def per_token_s(self, running: int) -> float:
+        """Seconds of one decode step of the lengths model with `running` requests: base + slope ×
+        running, or, with a measured curve, piecewise-linear interpolation of its points (extrapolated
+        past both ends)."""
+        c = self._curve
+        if not c:
+            return self.base_per_token_s + self.slope_per_token_s * running
+        i = next((k for k in range(1, len(c) - 1) if running < c[k][0]), len(c) - 1)
+        (x0, y0), (x1, y1) = c[i - 1], c[i]
+        return max(min(y for _, y in c) * 0.5, y0 + (y1 - y0) * (running - x0) / (x1 - x0))
+
+    def _step_s(self, running: int) -> float:
+        return 1.0 if self._latency is not None else self.per_token_s(running)
+
+    def start_s(self, running: int) -> float:
+        """Engine seconds of one request start with `running` requests at the engine (running or queued,
+        itself included): `prefill_s`, or, with a measured prefill curve, linear interpolation of its
+        points (flat past both ends)."""
+        c = self._prefill_curve
+        if not c:
+            return self.prefill_s
+        if running <= c[0][0]:
+            return c[0][1]
+        for (x0, y0), (x1, y1) in itertools.pairwise(c):
+            if running <= x1:
+                return y0 + (y1 - y0) * (running - x0) / (x1 - x0)
+        return c[-1][1]
+
+    @property
+    def in_flight(self) -> int:
+        """Requests at the engines: decoding (or stopped by a pause or freeze) and queued."""
+        return sum(len(e.running) + len(e.queue) for e in self._engines)
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(
+            running=float(sum(len(e.running) for e in self._engines)),
+            queued=float(sum(len(e.queue) for e in self._engines)),
+        )
+
+    def _new_request(self, sampling_params: Mapping[str, Any], fut: asyncio.Future[None]) -> tuple[_Req, int]:
+        """The request drawn from the request model, and its natural length (before max_new_tokens)."""
+        if self._latency is not None:
+            work = max(0.0, self._latency(self._rng))
+            natural = max(1, round(work * self._tokens_per_s))
+            n = min(natural, int(sampling_params.get("max_new_tokens", natural)))
+            ids = [self._rng.randrange(self._vocab) for _ in range(n)]
+            return _Req(n=n, work=work * n / natural, fut=fut, ids=ids), natural
+        assert self._lengths is not None
+        natural = max(1, round(self._lengths(self._rng)))
+        n = max(1, min(natural, int(sampling_params.get("max_new_tokens", natural))))
+        return _Req(n=n, work=float(n), fut=fut), natural
+
+    def _advance(self, now: float) -> None:
+        stopped = self._paused is not None or self.frozen
+        for e in self._engines:
+            active_from = max(e.t, e.stall_until)
+            if not stopped and e.running and now > active_from:
+                e.steps += (now - active_from) / self._step_s(len(e.running))
+            e.t = now
+
+    def _start_queued(self, e: _Engine, now: float) -> None:
+        while e.queue and len(e.running) < self._cap:
+            rid, req = e.queue.popleft()
+            if req.fut.done():
+                continue
+            req.start = e.steps
+            req.marks.append((0, self.version))
+            e.running[rid] = req
+            # its prefill holds up every decode step of the engine; its cost by the requests at the engine
+            if cost := self.start_s(len(e.running) + len(e.queue)):
+                e.stall_until = max(now, e.stall_until) + cost
+            heapq.heappush(e.heap, (req.start + req.work, rid))
+
+    def _finish(self, e: _Engine, rid: int) -> None:
+        req = e.running.pop(rid)
+        req.done_tokens = req.n
+        if not req.fut.done():
+            req.fut.set_result(None)
+
+    def _settle(self) -> None:
+        """Advance to now, finish what is due, start queued requests, set the one timer."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        self._advance(now)
+        stopped = self._paused is not None or self.frozen
+        next_at = math.inf
+        for e in self._engines:
+            while e.heap and (e.heap[0][1] not in e.running or e.heap[0][0] <= e.steps + _EPS):
+                _, rid = heapq.heappop(e.heap)
+                if rid in e.running:
+                    self._finish(e, rid)
+            self._start_queued(e, now)
+            while e.heap and e.heap[0][1] not in e.running:
+                heapq.heappop(e.heap)
+            if not stopped and e.heap:
+                left = (e.heap[0][0] - e.steps) * self._step_s(len(e.running))
+                next_at = min(next_at, max(now, e.stall_until) + left)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if next_at < math.inf:
+            self._timer = loop.call_at(max(next_at, now), self._settle)
+
+    def _stamp(self, version: int) -> None:
+        """Tokens decoded from now on carry `version`."""
+        if (now := _now()) is not None:
+            self._advance(now)
+        for e in self._engines:
+            for req in e.running.values():
+                req.marks.append((e.progress(req), version))
+        self.version = version
+
+    def _stop_or_go(self, change: Callable[[], None]) -> None:
+        """Apply a change to whether the engines decode, with the clock moved to it."""
+        now = _now()
+        if now is not None:
+            self._advance(now)
+        change()
+        self._changed.notify()
+        if now is not None:
+            self._settle()
 
     # -- faults ----------------------------------------------------------------------------------------
     def fail(self, call: str, error: EngineError, *, times: int = 1) -> None:
@@ -95,27 +338,40 @@ class FakeLatencyEngine(InferenceEngine):
         self._slow[call] = seconds
 
     def freeze(self) -> None:
-        """Like SIGSTOP: every call hangs (generation stops) until `thaw()`."""
-        self.frozen = True
-        self._changed.notify()
+        """Like SIGSTOP: every call hangs (decoding stops) until `thaw()`."""
+        self._stop_or_go(lambda: setattr(self, "frozen", True))
 
     def thaw(self) -> None:
-        self.frozen = False
-        self._changed.notify()
+        self._stop_or_go(lambda: setattr(self, "frozen", False))
 
     def kill(self) -> None:
         """Like a dead server: every call, in flight or new, raises EngineUnavailable until `revive()`,
         which brings it back with no weights (version None), as a restarted server."""
         self.dead = True
+        for e in self._engines:
+            for req in [*e.running.values(), *(r for _, r in e.queue)]:
+                if not req.fut.done():
+                    req.fut.set_exception(self._refused())
+            e.running.clear()
+            e.heap.clear()
+            e.queue.clear()
         self._changed.notify()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def revive(self) -> None:
-        self.dead, self.frozen, self._paused, self.version = False, False, None, None
-        self._changed.notify()
+        def back() -> None:
+            self.dead, self.frozen, self._paused, self.version = False, False, None, None
+
+        self._stop_or_go(back)
+
+    def _refused(self) -> EngineUnavailable:
+        return EngineUnavailable(f"{self.url}: connection refused (fake engine is dead)")
 
     def _check_alive(self) -> None:
         if self.dead:
-            raise EngineUnavailable(f"{self.url}: connection refused (fake engine is dead)")
+            raise self._refused()
 
     async def _admin(self, call: str) -> None:
         """The common prelude of every non-generate call: hang while frozen, fail as scripted."""
@@ -127,71 +383,69 @@ class FakeLatencyEngine(InferenceEngine):
         if faults := self._faults.get(call):
             raise faults.pop(0)
 
+    # -- InferenceEngine --------------------------------------------------------------------------------
     async def generate(
         self, *, input_ids: list[int], sampling_params: Mapping[str, Any], routing_key: Hashable | None = None
     ) -> GenerateOutput:
         self._check_alive()
         self.requests += 1
-        self.in_flight += 1
+        if self.request_latency_s:  # HTTP and client work: latency that holds no engine time
+            await asyncio.sleep(self.request_latency_s)
+            self._check_alive()
+        loop = asyncio.get_running_loop()
+        req, natural = self._new_request(sampling_params, loop.create_future())
+        e = self._engines[next(self._rr) % len(self._engines)]
+        rid = next(self._ids)
+        self._advance(loop.time())
+        e.queue.append((rid, req))
+        self._settle()
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
-            return await self._generate(sampling_params)
+            await req.fut
         finally:
-            self.in_flight -= 1
-
-    async def _generate(self, sampling_params: Mapping[str, Any]) -> GenerateOutput:
-        loop = asyncio.get_running_loop()
-        work = max(0.0, self._latency(self._rng))
-        n_natural = max(1, round(work * self._tokens_per_s))
-        n = min(n_natural, int(sampling_params.get("max_new_tokens", n_natural)))
-        finish: str = "length" if n < n_natural else "stop"
-        work = work * n / n_natural
-        ids = [self._rng.randrange(self._vocab) for _ in range(n)]
+            if not req.fut.done() or req.fut.cancelled():  # cancelled: leave the engine
+                req.fut.cancel()
+                e.running.pop(rid, None)
+                self._settle()
+        k = req.done_tokens
+        finish = "abort" if k < req.n else ("length" if req.n < natural else "stop")
         versions: list[int | None] = []
-        done = 0.0
-        while True:
-            await self._changed.wait_until(
-                lambda: self.dead or (not self.frozen and (self._paused is None or self._paused == "abort"))
-            )
-            self._check_alive()
-            if self._paused == "abort":
-                finish = "abort"
-                break
-            version, t0 = self.version, loop.time()
-            try:
-                async with asyncio.timeout(work - done):
-                    await self._changed.wait_until(
-                        lambda: self._paused is not None or self.frozen or self.dead
-                    )
-                done = min(work, done + loop.time() - t0)  # paused part-way
-            except TimeoutError:
-                done = work  # the deadline is the finish (clocks round: never trust work - elapsed)
-            produced = n if done >= work else math.floor(n * done / work)
-            versions.extend([version] * (produced - len(versions)))
-            if produced == n:
-                break
-            await asyncio.sleep(0)  # let the pause settle before checking its mode
-        k = len(versions)
+        for (start, v), (end, _) in itertools.pairwise([*req.marks, (k, None)]):
+            versions.extend([v] * (max(start, min(end, k)) - start))
+        ids = req.ids[:k] if req.ids is not None else [self._rng.randrange(self._vocab) for _ in range(k)]
         return GenerateOutput(
             text="",
-            output_ids=ids[:k],
+            output_ids=ids,
             output_log_probs=[-1.0] * k,
             weight_versions=versions,
             finish_reason=finish,  # type: ignore[arg-type]
-            prompt_tokens=0,
+            prompt_tokens=len(input_ids),
         )
 
     async def pause_generation(self, mode: PauseMode) -> None:
         await self._admin("pause_generation")
         self.calls.append(f"pause:{mode}")
-        self._paused = mode
-        self._changed.notify()
+
+        def pause() -> None:
+            self._paused = mode
+            if mode != "abort":
+                return
+            for e in self._engines:
+                for rid in list(e.running):
+                    req = e.running.pop(rid)
+                    req.done_tokens = e.progress(req)
+                    req.fut.set_result(None)
+                while e.queue:
+                    _, req = e.queue.popleft()
+                    if not req.fut.done():
+                        req.fut.set_result(None)
+
+        self._stop_or_go(pause)
 
     async def continue_generation(self) -> None:
         await self._admin("continue_generation")
         self.calls.append("continue")
-        self._paused = None
-        self._changed.notify()
+        self._stop_or_go(lambda: setattr(self, "_paused", None))
 
     async def flush_cache(self) -> None:
         await self._admin("flush_cache")
@@ -200,14 +454,15 @@ class FakeLatencyEngine(InferenceEngine):
     async def update_weight_version(self, version: int) -> None:
         await self._admin("update_weight_version")
         self.calls.append(f"version:{version}")
-        self.version = version
+        self._stamp(version)
 
     async def update_weights_from_disk(
         self, model_path: str, *, version: int, flush_cache: bool = True
     ) -> None:
         await self._admin("update_weights_from_disk")
         self.calls.append(f"load:{model_path}")
-        self.model_path, self.version = model_path, version
+        self.model_path = model_path
+        self._stamp(version)
 
     async def init_weights_update_group(
         self,
@@ -239,7 +494,10 @@ class FakeLatencyEngine(InferenceEngine):
         await self._admin("update_weights_from_distributed")
         self.calls.append(f"broadcast:{group_name}")
         if version is not None:
-            self.version = version
+            self._stamp(version)
+
+    def weight_broadcast(self) -> SingleServerBroadcast:
+        return SingleServerBroadcast(self)
 
     async def health_generate(self) -> None:
         await self._admin("health_generate")
@@ -250,10 +508,15 @@ class FakeLatencyEngine(InferenceEngine):
 
     async def server_info(self) -> dict[str, Any]:
         await self._admin("server_info")
-        return {"internal_states": [{"num_running_reqs": self.in_flight, "num_waiting_reqs": 0}]}
+        load = self.load()
+        return {
+            "internal_states": [{"num_running_reqs": int(load.running), "num_waiting_reqs": int(load.queued)}]
+        }
 
     async def aclose(self) -> None:
-        return None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 class FakeTrainer:

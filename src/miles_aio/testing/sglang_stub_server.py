@@ -14,14 +14,24 @@ script what it does per request:
   answers 400 `success: false` after loading the weights.
   `/update_weight_version` defaults `abort_all_requests` to true, like SGLang. Tokens produced under
   different versions come back as `meta_info.weight_versions` spans.
+* scripted misbehaviour of the control plane (attributes, or `/_stub/config`): `refuse_flushes` N (the
+  next N `/flush_cache` answer 400 with SGLang's text, as while aborted requests still drain),
+  `stale_loads` N (the next N `/update_weights_from_disk` answer success but change nothing: an engine
+  that acknowledged and serves other weights), `legacy_weight_version` (`/model_info` without
+  `weight_version`, which `/get_weight_version` serves instead, as older SGLang releases).
 * faults, consumed one per request on their path (FIFO, `times` each): `status` (HTTP error), `garbage`
-  (invalid JSON), `drop` (close the connection, no answer), `delay` (then answer normally), `abort`
-  (finish abort after `after_tokens`), `mutate` (`set`/`delete` dotted paths in the /generate answer).
+  (invalid JSON), `raw` (answer `body`, bytes or text, with `status`, default 200), `drop` (close the
+  connection, no answer), `reset` (reset it), `delay` (then answer normally), `ok` (answer normally: keeps
+  a script's place), `abort` (finish abort after `after_tokens`), `mutate` (`set`/`delete` dotted paths in
+  the /generate answer; in-process, `apply`: a function of the answer, returning the answer to send, or
+  bytes to send as they are), `cut` (the /generate answer's first half, then a reset). `clear_faults()`
+  drops what is queued.
 * like SGLang's http_server, `/generate` answers 400 to a body that SGLang's own schema
   (`sglang/api/v1/api_types.py`) rejects, when sglang is installed (`check_schema`, `--check-schema`).
 
 Control endpoints (`/_stub/...`) work in-process and across processes: POST `/_stub/faults`
-`{"faults": [...]}`, POST `/_stub/config` `{"token_latency_s", "healthy", "weight_version"}`, GET
+`{"faults": [...]}`, POST `/_stub/config` `{"token_latency_s", "healthy", "weight_version",
+"refuse_flushes", "stale_loads", "legacy_weight_version"}`, GET
 `/_stub/requests?path=/generate` (recorded bodies and routing headers), GET `/_stub/stats`.
 
 Run as a process: `python -m miles_aio.testing.sglang_stub_server --port 0` prints one JSON line
@@ -47,6 +57,8 @@ from types import ModuleType
 from typing import Any, Final
 
 from aiohttp import web
+
+from miles_aio.engine.spans import version_spans
 
 __all__ = ["SGLangStubServer", "load_sglang_api_types", "main"]
 
@@ -121,6 +133,9 @@ class SGLangStubServer:
         self.model_path = "stub-model"
         self.healthy = True
         self.disable_radix_cache = False  # SGLang's default; reported by /server_info
+        self.refuse_flushes = 0
+        self.stale_loads = 0
+        self.legacy_weight_version = False
         self.counts: Counter[str] = Counter()
         self.requests: dict[str, deque[dict[str, Any]]] = {}
         self._faults: dict[str, deque[_Fault]] = {}
@@ -147,6 +162,7 @@ class SGLangStubServer:
         r.add_get("/health", self._health)
         r.add_get("/health_generate", self._health)
         r.add_get("/model_info", self._model_info)
+        r.add_get("/get_weight_version", self._get_weight_version)
         r.add_get("/server_info", self._server_info)
         r.add_post("/_stub/faults", self._stub_faults)
         r.add_post("/_stub/config", self._stub_config)
@@ -210,6 +226,10 @@ class SGLangStubServer:
             fault = _Fault(kind=spec.pop("kind"), times=int(spec.pop("times", 1)), spec=spec)
             self._faults.setdefault(path, deque()).append(fault)
 
+    def clear_faults(self) -> None:
+        """Drop every queued fault (a test's next script starts clean)."""
+        self._faults.clear()
+
     def _next_fault(self, path: str) -> _Fault | None:
         queue = self._faults.get(path)
         if not queue:
@@ -246,9 +266,15 @@ class SGLangStubServer:
                 return web.json_response({"error": {"message": f"stub fault {status}"}}, status=status)
             if fault.kind == "garbage":
                 return web.Response(body=b'{"text": "oops', content_type="application/json")
-            if fault.kind == "drop":
-                if request.transport is not None:
-                    request.transport.close()
+            if fault.kind == "raw":
+                status, raw = int(fault.spec.get("status", 200)), fault.spec.get("body", b"")
+                data = raw if isinstance(raw, bytes) else str(raw).encode()
+                return web.Response(status=status, body=data, content_type="application/json")
+            if fault.kind in ("drop", "reset"):
+                if (transport := request.transport) is not None and fault.kind == "drop":
+                    transport.close()
+                elif transport is not None:
+                    transport.abort()
                 return web.Response()
             if fault.kind == "delay":
                 await asyncio.sleep(float(fault.spec.get("delay_s", 1.0)))
@@ -311,7 +337,7 @@ class SGLangStubServer:
         if body.get("return_logprob"):
             meta["output_token_logprobs"] = [[-(t % 7 + 1) / 10, t, None] for t in tokens]
         if len(set(versions)) > 1:
-            meta["weight_versions"] = _spans(versions)
+            meta["weight_versions"] = version_spans(versions, current=self.weight_version)
         out: dict[str, Any] = {
             "text": "".join(f"{t} " for t in tokens),
             "output_ids": tokens,
@@ -324,6 +350,12 @@ class SGLangStubServer:
             for dotted in fault.spec.get("delete", []):
                 obj, key = _walk(out, dotted)
                 del obj[key]
+            if (apply := fault.spec.get("apply")) is not None:
+                answer = apply(out)
+                data = answer if isinstance(answer, bytes) else json.dumps(answer).encode()
+                return web.Response(body=data, content_type="application/json")
+        if fault is not None and fault.kind == "cut":
+            return await _cut(request, json.dumps(out).encode())
         return web.json_response(out)
 
     async def _step(self, req: _Req) -> None:
@@ -374,6 +406,9 @@ class SGLangStubServer:
         return bool(self._inflight) and not (self._paused and self._pause_mode == "retract")
 
     async def _flush_cache(self, request: web.Request) -> web.StreamResponse:
+        if self.refuse_flushes > 0:
+            self.refuse_flushes -= 1
+            return web.Response(status=400, text="Cache not flushed: requests are running or queued.\n")
         if self._holds_kv():
             return web.Response(status=400, text="Cache not flushed: requests are running or queued.\n")
         return web.Response(text="Cache flushed.\n")
@@ -389,6 +424,9 @@ class SGLangStubServer:
         body = request[_BODY]
         if body.get("abort_all_requests"):
             await self._abort(None)
+        if self.stale_loads > 0:  # acknowledged, nothing loaded
+            self.stale_loads -= 1
+            return web.json_response({"success": True, "message": "Succeeded.", "num_paused_requests": 0})
         self.model_path = body["model_path"]
         if body.get("weight_version") is not None:
             self.weight_version = body["weight_version"]
@@ -417,10 +455,16 @@ class SGLangStubServer:
         return web.Response(status=200 if self.healthy else 503)
 
     async def _model_info(self, request: web.Request) -> web.StreamResponse:
-        return web.json_response({"model_path": self.model_path, "served_model_name": "stub",
-                                  "is_generation": True, "tokenizer_path": self.model_path,
-                                  "preferred_sampling_params": None,
-                                  "weight_version": self.weight_version})  # fmt: skip
+        info = {"model_path": self.model_path, "served_model_name": "stub", "is_generation": True,
+                "tokenizer_path": self.model_path, "preferred_sampling_params": None}  # fmt: skip
+        if not self.legacy_weight_version:
+            info["weight_version"] = self.weight_version
+        return web.json_response(info)
+
+    async def _get_weight_version(self, request: web.Request) -> web.StreamResponse:
+        if not self.legacy_weight_version:  # gone from SGLang since /model_info carries it
+            return web.json_response({"detail": "Not Found"}, status=404)
+        return web.json_response({"weight_version": self.weight_version})
 
     async def _server_info(self, request: web.Request) -> web.StreamResponse:
         return web.json_response({"model_path": self.model_path, "host": self.host, "port": self.port,
@@ -438,6 +482,9 @@ class SGLangStubServer:
         self.token_latency_s = float(cfg.get("token_latency_s", self.token_latency_s))
         self.healthy = bool(cfg.get("healthy", self.healthy))
         self.weight_version = str(cfg.get("weight_version", self.weight_version))
+        self.refuse_flushes = int(cfg.get("refuse_flushes", self.refuse_flushes))
+        self.stale_loads = int(cfg.get("stale_loads", self.stale_loads))
+        self.legacy_weight_version = bool(cfg.get("legacy_weight_version", self.legacy_weight_version))
         return web.json_response({"ok": True})
 
     async def _stub_requests(self, request: web.Request) -> web.StreamResponse:
@@ -455,14 +502,15 @@ class SGLangStubServer:
         )
 
 
-def _spans(versions: list[str]) -> list[dict[str, Any]]:
-    spans: list[dict[str, Any]] = []
-    for i, v in enumerate(versions):
-        if spans and spans[-1]["version"] == v:
-            spans[-1]["end"] = i + 1
-        else:
-            spans.append({"version": v, "start": i, "end": i + 1})
-    return spans
+async def _cut(request: web.Request, data: bytes) -> web.StreamResponse:
+    """Send the headers (with the whole length) and the first half of `data`, then reset the connection."""
+    resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+    resp.content_length = len(data)
+    await resp.prepare(request)
+    await resp.write(data[: len(data) // 2])
+    if request.transport is not None:
+        request.transport.abort()
+    return resp
 
 
 async def _serve(args: argparse.Namespace) -> None:

@@ -16,6 +16,8 @@ Tasks (all in `open()`'s TaskGroup, so a failure cancels the caller's block and 
                 come in command order), an `error` report fails every pending call with the rank's
                 traceback; EOF outside shutdown raises `TrainerRankError` (exit code included).
 Commands go out one at a time (`_lock`); a call waits for its replies or for the first rank failure.
+Each command is a typed `protocol.Request[R]` and comes back as its `R` from every rank it went to
+(`_call(protocol.TrainRequest(...))` → `dict[rank, protocol.TrainReply]`).
 Every exit path (normal, error, cancellation) ends in `aclose()`: shutdown command, then SIGTERM, then
 SIGKILL, run to completion even when the caller is cancelled meanwhile. No child outlives the block.
 
@@ -36,22 +38,40 @@ import socket
 import sys
 from asyncio.subprocess import DEVNULL
 from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Hashable, Mapping, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Final, TypeVar
 
 import structlog
 import torch
 
 from miles_aio._aio import finish_even_if_cancelled
 from miles_aio.config import RunConfig
-from miles_aio.errors import ConfigError, EngineError, MilesAioError
-from miles_aio.inference.base import InferenceEngine
+from miles_aio.errors import ConfigError, EngineError, MilesAioError, primary_error
+from miles_aio.inference.base import InferenceEngine, WeightBroadcast, WeightGroupMember
 from miles_aio.trainer import losses, protocol
 from miles_aio.trainer.channel import AsyncChannel, ChannelListener
-from miles_aio.trainer.config import TrainConfig, check_batch_arithmetic, with_run_lr_decay
-from miles_aio.trainer.protocol import Message
+from miles_aio.trainer.config import TrainConfig, check_batch_arithmetic
+from miles_aio.trainer.protocol import (
+    BcastBucketRequest,
+    BcastDestroyRequest,
+    BcastInitRequest,
+    GetWeightsRequest,
+    InitRequest,
+    LoadRequest,
+    LogprobsRequest,
+    Message,
+    RemoveHFRequest,
+    Reply,
+    Request,
+    SaveHFRequest,
+    SaveRequest,
+    ShutdownRequest,
+    TrainRequest,
+    WeightMetaRequest,
+)
 from miles_aio.trainer.rank_main import CONTROLLER_ENV, LOCAL_RENDEZVOUS_ENV, PARENT_ENV, THREADS_ENV
 from miles_aio.trainer.reward_post import RewardPostProcess
 from miles_aio.types import Group
@@ -63,8 +83,19 @@ _TERM_GRACE_S: Final = 5.0
 _EXIT_REPORT_GRACE_S: Final = 5.0
 
 
-_WeightGroup = tuple[tuple[int, ...], str, list[list[str]], dict[str, tuple[str, list[int]]]]
-"""The weight-update group: (engine membership key, group name, buckets, name → (dtype, shape))."""
+R = TypeVar("R", bound=Reply)
+_Membership = tuple[int, tuple[Hashable, ...]]
+"""Whom a weight-update group spans: (id of the engine handle, its `WeightBroadcast.membership_key()`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _WeightGroup:
+    """The weight-update group formed last: its members, name, buckets and name → (dtype, shape)."""
+
+    key: _Membership
+    name: str
+    buckets: list[list[str]]
+    info: dict[str, tuple[str, list[int]]]
 
 
 class TrainerRankError(MilesAioError):
@@ -151,10 +182,7 @@ class TrainerActor:
             secret = protocol.new_secret()
         if train_cfg.hf_checkpoint is None:
             raise ConfigError("the trainer needs an initial model", flags=["--hf-checkpoint"])
-        if run_cfg is not None:  # the lr decay ends with the run, unless --lr-decay-iters says otherwise
-            samples = run_cfg.rollout.rollout_batch_size * run_cfg.rollout.n_samples_per_prompt
-            num = run_cfg.driver.num_rollout
-            train_cfg = with_run_lr_decay(train_cfg, num_rollout=num, samples_per_step=samples)
+        # train_cfg is used as given: `miles_aio.config.resolve` filled in its lr decay end (the run's)
         listener = ChannelListener(secret, host=train_cfg.trainer_host, port=train_cfg.trainer_port)
         # abspath: the engines and the ranks get absolute paths whatever their cwd
         run_dir = Path(os.path.abspath(run_dir))  # noqa: ASYNC240 - no I/O beyond getcwd, once per run
@@ -181,7 +209,7 @@ class TrainerActor:
                 finally:
                     await finish_even_if_cancelled(actor.aclose())
         except BaseExceptionGroup as eg:
-            raise _primary(eg)  # noqa: B904 - keep the primary error's own cause chain
+            raise primary_error(eg, prefer=_rank_report)  # noqa: B904 - keep its own cause chain
         finally:
             listener.close()
 
@@ -240,12 +268,12 @@ class TrainerActor:
                 self._aux.append(
                     self._tg.create_task(self._watch_heartbeat(r, timeout_s), name=f"trainer-heartbeat-{r}")
                 )
-        replies = await self._call("init", {"config": self.cfg.to_json()})
-        self._dp_of = {r: int(m.header["dp_rank"]) for r, m in replies.items()}
-        self._dp_size = int(replies[0].header["dp_size"])
-        self._device = str(replies[0].header["device"])
-        self.wrapper = str(replies[0].header["wrapper"])
-        self.threads = int(replies[0].header["threads"])
+        replies = await self._call(InitRequest(config=self.cfg.to_json()))
+        self._dp_of = {r: m.dp_rank for r, m in replies.items()}
+        self._dp_size = replies[0].dp_size
+        self._device = replies[0].device
+        self.wrapper = replies[0].wrapper
+        self.threads = replies[0].threads
         log.info(
             "trainer: ready",
             world=self._world,
@@ -266,7 +294,7 @@ class TrainerActor:
             if live and self._failure is None:
                 with contextlib.suppress(Exception):
                     async with asyncio.timeout(_TERM_GRACE_S):
-                        await self._send_all("shutdown", {}, live)
+                        await self._send_all(ShutdownRequest(), live)
                         await asyncio.gather(*(p.wait() for p in self._procs.values()))
             await asyncio.gather(*(_terminate(r, p) for r, p in self._procs.items()))
             self._fail_pending(TrainerRankError(-1, "the trainer was closed"))
@@ -300,9 +328,9 @@ class TrainerActor:
                 if msg.op == "heartbeat":
                     continue
                 if msg.op == "error":
-                    h = msg.header
+                    failure = protocol.decode_as(msg, protocol.RankFailure)
                     report = TrainerRankError(
-                        rank, f"{h.get('type')}: {h.get('message')}", traceback=str(h.get("traceback", ""))
+                        rank, f"{failure.type}: {failure.message}", traceback=failure.traceback
                     )
                     self._fail_pending(report)
                     continue
@@ -358,41 +386,46 @@ class TrainerActor:
                     fut.exception()  # mark retrieved: only the caller's await reports it
 
     # -- commands -----------------------------------------------------------------------------------------
-    async def _send_all(self, op: str, header: Mapping[str, Any], chans: Sequence[AsyncChannel]) -> None:
+    async def _send_all(self, req: Request[Reply], chans: Sequence[AsyncChannel]) -> None:
         for chan in chans:
-            await chan.send({"op": op, **header})
+            await chan.send_message(req)
 
     async def _call(
-        self,
-        op: str,
-        header: Mapping[str, Any] | None = None,
-        *,
-        ranks: Sequence[int] | None = None,
-        per_rank: Mapping[int, tuple[Mapping[str, Any], Mapping[str, torch.Tensor]]] | None = None,
-    ) -> dict[int, Message]:
-        """Send `op` to `ranks` (default all) and wait for each one's reply."""
+        self, request: Request[R] | Mapping[int, Request[R]], *, ranks: Sequence[int] | None = None
+    ) -> dict[int, R]:
+        """Send `request` to `ranks` (default all), or each rank its own (a mapping rank → request), and
+        wait for each one's reply."""
         if self._failure is not None:
             raise self._failure
         if self._closing:
             raise TrainerRankError(-1, "the trainer is closed")
-        targets = list(range(self._world)) if ranks is None else list(ranks)
+        if isinstance(request, Request):
+            targets = list(range(self._world)) if ranks is None else list(ranks)
+            requests: Mapping[int, Request[R]] = dict.fromkeys(targets, request)
+        else:
+            requests = request
         loop = asyncio.get_running_loop()
         async with self._lock:
             futs: dict[int, asyncio.Future[Message]] = {}
-            for r in targets:
-                extra, tensors = per_rank[r] if per_rank is not None else ({}, {})
+            for r, req in requests.items():
                 futs[r] = loop.create_future()
                 self._pending[r].append(futs[r])
                 try:
-                    await self._chans[r].send({"op": op, **(header or {}), **extra}, tensors)
+                    await self._chans[r].send_message(req)
                 except (ConnectionError, OSError) as exc:
                     futs[r].cancel()
-                    raise self._failure or TrainerRankError(r, f"cannot send {op!r}: {exc}") from exc
+                    raise self._failure or TrainerRankError(r, f"cannot send {req.op!r}: {exc}") from exc
             done, _ = await asyncio.wait(futs.values(), return_when=asyncio.FIRST_EXCEPTION)
             for fut in done:
                 if (failed := fut.exception()) is not None:
                     raise failed
-            return {r: f.result() for r, f in futs.items()}
+            replies: dict[int, R] = {}
+            for r, req in requests.items():
+                try:
+                    replies[r] = req.decode_reply(futs[r].result())
+                except protocol.ProtocolError as exc:
+                    raise TrainerRankError(r, f"bad reply to {req.op!r}: {exc}") from exc
+            return replies
 
     # -- the Trainer protocol -----------------------------------------------------------------------------
     async def train(self, step: int, batch: list[Group]) -> dict[str, float]:
@@ -411,13 +444,13 @@ class TrainerActor:
             processed_rewards=post(batch) if post is not None else None,
         )
         encoded = [protocol.encode_batch(rows) for rows in step_data.shards]
-        per_rank: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {
-            r: ({}, encoded[d]) for r, d in self._dp_of.items()
-        }
         replies = await self._call(
-            "train", {"step": step, "num_tokens": step_data.num_tokens}, per_rank=per_rank
+            {
+                r: TrainRequest(step=step, num_tokens=step_data.num_tokens, batch=encoded[d])
+                for r, d in self._dp_of.items()
+            }
         )
-        metrics: dict[str, float] = replies[0].header["metrics"]
+        metrics = dict(replies[0].metrics)
         metrics["train/advantage_abs_mean"] = sum(map(abs, step_data.advantages)) / max(n, 1)
         metrics["train/masked_offpolicy_tokens"] = float(step_data.masked_offpolicy)
         return metrics
@@ -432,135 +465,145 @@ class TrainerActor:
     async def write_weights(self, version: int) -> Path:
         """Disk mode's first half: rank 0 writes `<run-dir>/weights/v<version>` (an HF model dir)."""
         path = self.run_dir / "weights" / f"v{version}"
-        await self._call("save_hf", {"path": str(path), "keep": self.cfg.weight_sync_keep})
+        await self._call(SaveHFRequest(path=str(path), keep=self.cfg.weight_sync_keep))
         return path
 
-    async def _sync_broadcast(self, engine: Any, version: int) -> None:
+    async def _sync_broadcast(self, engine: InferenceEngine, version: int) -> None:
         """Weights by torch.distributed broadcast from rank 0, per bucket of ≤ --update-weight-buffer-size
         bytes (rank 0 sends while the engines receive, concurrently).
 
-        The group spans rank 0 and the engines of this push (a router's `push_clients()`); it is formed
+        The group spans rank 0 and the engines of this push (`WeightBroadcast.push_clients()`); it is formed
         again whenever that set changes (`membership_key()`: an engine excluded, restarted or rejoining).
         If forming it or a broadcast fails (an engine died or froze mid-collective, or left the push),
         this push goes by disk to the engines still in it, and the next push forms a new group."""
-        router = hasattr(engine, "push_clients")
-        clients = list(engine.push_clients()) if router else [engine]
-        key = self._membership(engine) if router else (id(engine),)
+        target = engine.weight_broadcast()
+        if target is None:
+            raise ConfigError(
+                f"{type(engine).__name__} takes no weights by broadcast: use the disk transfer mode",
+                flags=["--update-weight-transfer-mode"],
+            )
+        clients = list(target.push_clients())
+        key = _membership(engine, target)
         if not clients:
             log.warning("trainer: no engine in this push: nothing to broadcast", version=version)
             return
-        if self._bcast is None or self._bcast[0] != key:
-            failed = await self._form_weight_group(engine, clients, key, version)
+        if self._bcast is None or self._bcast.key != key:
+            failed = await self._form_weight_group(engine, target, clients, key, version)
             if failed is not None:
                 await self._sync_by_disk_instead(engine, version, failed)
                 return
         assert self._bcast is not None
-        _, group, buckets, info = self._bcast
-        for names in buckets:
+        group = self._bcast
+        for names in group.buckets:
             async with asyncio.TaskGroup() as tg:
                 sent = tg.create_task(
-                    self._call("bcast_bucket", {"names": names}), name="trainer-bcast-bucket"
+                    self._call(BcastBucketRequest(names=names)), name="trainer-bcast-bucket"
                 )
                 tg.create_task(
-                    engine.update_weights_from_distributed(
+                    target.update_weights_from_distributed(
                         names=names,
-                        dtypes=[info[n][0] for n in names],
-                        shapes=[info[n][1] for n in names],
+                        dtypes=[group.info[n][0] for n in names],
+                        shapes=[group.info[n][1] for n in names],
                         version=version,
-                        group_name=group,
+                        group_name=group.name,
                     )
                 )
-            failed = sent.result()[0].header.get("failed")
-            if failed is None and router and self._membership(engine) != key:
+            failed = sent.result()[0].failed
+            if failed is None and _membership(engine, target) != key:
                 failed = "an engine left the push during the broadcast"
             if failed is not None:
-                await self._sync_by_disk_instead(engine, version, str(failed))
+                await self._sync_by_disk_instead(engine, version, failed)
                 return
 
-    def _membership(self, engine: Any) -> tuple[int, ...]:
-        return (id(engine), *(x for m in engine.membership_key() for x in m))
-
     async def _form_weight_group(
-        self, engine: Any, clients: list[Any], key: tuple[int, ...], version: int
+        self,
+        engine: InferenceEngine,
+        target: WeightBroadcast,
+        clients: list[WeightGroupMember],
+        key: _Membership,
+        version: int,
     ) -> str | None:
         """Drop the old weight-update group (rank 0 and the engines still in it), form one over `clients`;
         returns why it failed, or None."""
-        router = hasattr(engine, "push_clients")
         old, self._bcast = self._bcast, None
         if old is not None:
-            await self._call("bcast_destroy", ranks=[0])
-            if router:
-                before = set(zip(old[0][1::2], old[0][2::2], strict=True))  # (engine, epoch) in the old group
-                now = list(zip(key[1::2], key[2::2], strict=True))
-                kept = [c for m, c in zip(now, clients, strict=True) if m in before]
-                await engine.destroy_weights_update_group(old[1], clients=kept)
-        meta = (await self._call("weight_meta", ranks=[0]))[0].header
+            await self._call(BcastDestroyRequest(), ranks=[0])
+            if old.key[0] == key[0]:  # the same handle: its servers still in the old group leave it
+                before = set(old.key[1])
+                kept = [c for m, c in zip(key[1], clients, strict=True) if m in before]
+                await target.destroy_weights_update_group(old.name, clients=kept)
+        meta = (await self._call(WeightMetaRequest(), ranks=[0]))[0]
         try:
             async with asyncio.timeout(self.weight_group_timeout_s):
-                tps = [
-                    int((await c.server_info()).get("tp_size", 1)) if hasattr(c, "server_info") else 1
-                    for c in clients
-                ]
+                tps = [int((await c.server_info()).get("tp_size", 1)) for c in clients]
         except (EngineError, TimeoutError) as exc:
             return f"server_info: {exc or 'timed out'}"
         offsets = [1 + sum(tps[:i]) for i in range(len(tps))]
-        group = f"miles_aio_weights_{os.getpid()}_{version}"
-        init = {
-            "master_address": meta["master_address"],
-            "master_port": meta["master_port"],
-            "world_size": 1 + sum(tps),
-            "group_name": group,
-            "backend": "nccl" if self._device.startswith("cuda") else "gloo",
-        }
-        # A router takes each client's first rank; a single client takes its own.
-        offset: dict[str, Any] = (
-            {"rank_offsets": offsets, "clients": clients} if router else {"rank_offset": offsets[0]}
+        name = f"miles_aio_weights_{os.getpid()}_{version}"
+        backend = "nccl" if self._device.startswith("cuda") else "gloo"
+        world_size = 1 + sum(tps)
+        init = BcastInitRequest(
+            backend=backend,
+            master_address=meta.master_address,
+            master_port=meta.master_port,
+            world_size=world_size,
+            group_name=name,
+            timeout_s=self.weight_group_timeout_s,
         )
         async with asyncio.TaskGroup() as tg:
-            joined = tg.create_task(
-                self._call("bcast_init", {**init, "timeout_s": self.weight_group_timeout_s}, ranks=[0]),
-                name="trainer-bcast-init",
+            joined = tg.create_task(self._call(init, ranks=[0]), name="trainer-bcast-init")
+            tg.create_task(
+                target.init_weights_update_group(
+                    master_address=meta.master_address,
+                    master_port=meta.master_port,
+                    rank_offsets=offsets,  # each client's first rank
+                    world_size=world_size,
+                    group_name=name,
+                    backend=backend,
+                    clients=clients,
+                ),
+                name="engines-bcast-init",
             )
-            tg.create_task(engine.init_weights_update_group(**init, **offset), name="engines-bcast-init")
-        if (failed := joined.result()[0].header.get("failed")) is not None:
-            return str(failed)
-        if router and self._membership(engine) != key:
+        if (failed := joined.result()[0].failed) is not None:
+            return failed
+        if _membership(engine, target) != key:
             return "an engine left the push while the group formed"
-        names, dtypes, shapes = meta["names"], meta["dtypes"], meta["shapes"]
-        info = {n: (d, s) for n, d, s in zip(names, dtypes, shapes, strict=True)}
-        buckets = protocol.weight_buckets(names, dtypes, shapes, self.cfg.update_weight_buffer_size)
-        self._bcast = (key, group, buckets, info)
-        log.info("trainer: weight-update group formed", group=group, engines=len(clients), world=1 + sum(tps))
+        info = {n: (d, s) for n, d, s in zip(meta.names, meta.dtypes, meta.shapes, strict=True)}
+        buckets = protocol.weight_buckets(
+            meta.names, meta.dtypes, meta.shapes, self.cfg.update_weight_buffer_size
+        )
+        self._bcast = _WeightGroup(key, name, buckets, info)
+        log.info("trainer: weight-update group formed", group=name, engines=len(clients), world=world_size)
         return None
 
-    async def _sync_by_disk_instead(self, engine: Any, version: int, why: str) -> None:
+    async def _sync_by_disk_instead(self, engine: InferenceEngine, version: int, why: str) -> None:
         """The broadcast failed: drop the group; this push's engines load the weights from disk."""
         log.warning("trainer: weight broadcast failed; this push goes by disk", version=version, error=why)
         self._bcast = None
-        await self._call("bcast_destroy", ranks=[0])
+        await self._call(BcastDestroyRequest(), ranks=[0])
         path = await self.write_weights(version)
         await engine.update_weights_from_disk(str(path), version=version)
 
     async def save(self, step: int, directory: Path) -> None:
-        await self._call("save", {"step": step, "directory": str(directory)})
+        await self._call(SaveRequest(step=step, directory=str(directory)))
 
     async def load(self, directory: Path) -> int:
         """Restore model, optimizer and RNG state written by `save`; returns the saved step."""
-        replies = await self._call("load", {"directory": str(directory)})
-        return int(replies[0].header["step"])
+        replies = await self._call(LoadRequest(directory=str(directory)))
+        return replies[0].step
 
     async def export_hf(self, directory: Path) -> Path:
         """Write the current weights as an HF model directory (transformers and SGLang load it)."""
-        await self._call("export_hf", {"path": str(directory)})
+        await self._call(SaveHFRequest(path=str(directory)))
         return Path(directory)
 
     async def remove_hf(self, directory: Path) -> None:
         """Delete an HF directory `export_hf` wrote (finished or half-written); done by rank 0."""
-        await self._call("remove_hf", {"paths": [str(directory)]}, ranks=[0])
+        await self._call(RemoveHFRequest(paths=[str(directory)]), ranks=[0])
 
     async def get_weights(self) -> dict[str, torch.Tensor]:
         """The full current weights, HF names (for tests and tools; the whole model comes over the wire)."""
-        return (await self._call("get_weights"))[0].tensors
+        return (await self._call(GetWeightsRequest()))[0].weights
 
     async def logprobs(
         self, tokens: Sequence[Sequence[int]], response_lengths: Sequence[int]
@@ -570,12 +613,8 @@ class TrainerActor:
             losses.TrainRow(torch.tensor(list(t), dtype=torch.int64), r, torch.ones(r), torch.zeros(r), 0.0)
             for t, r in zip(tokens, response_lengths, strict=True)
         ]
-        reply = (
-            await self._call(
-                "logprobs", per_rank={r: ({}, protocol.encode_batch(rows)) for r in range(self._world)}
-            )
-        )[0]
-        return [reply.tensors[str(i)] for i in range(len(rows))]
+        reply = (await self._call(LogprobsRequest(batch=protocol.encode_batch(rows))))[0]
+        return [reply.logps[str(i)] for i in range(len(rows))]
 
     @property
     def pids(self) -> list[int]:
@@ -600,22 +639,16 @@ def _signal_group(proc: asyncio.subprocess.Process, sig: signal.Signals) -> None
         os.killpg(proc.pid, sig)
 
 
+def _membership(engine: InferenceEngine, target: WeightBroadcast) -> _Membership:
+    return id(engine), tuple(target.membership_key())
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-def _primary(exc: BaseException) -> BaseException:
-    """The most telling error inside (nested) exception groups: a rank's report, else the first real one."""
-    flat: list[BaseException] = []
-    stack = [exc]
-    while stack:
-        e = stack.pop(0)
-        if isinstance(e, BaseExceptionGroup):
-            stack.extend(e.exceptions)
-        else:
-            flat.append(e)
-    real = [e for e in flat if not isinstance(e, asyncio.CancelledError)]
-    ranked = [e for e in real if isinstance(e, TrainerRankError) and e.rank_traceback]
-    return (ranked or real or flat)[0]
+def _rank_report(exc: BaseException) -> bool:
+    """The most telling error of a group: a rank's report (with its traceback), else the first real one."""
+    return isinstance(exc, TrainerRankError) and bool(exc.rank_traceback)

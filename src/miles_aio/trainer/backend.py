@@ -7,6 +7,7 @@ Tensor names are always HF names, so weight sync and checkpoints never depend on
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Protocol
@@ -17,14 +18,32 @@ import torch.distributed as dist
 from miles_aio.trainer import losses
 from miles_aio.trainer.config import TrainConfig
 
-__all__ = ["HFBackend", "ModelBackend"]
+__all__ = ["HFBackend", "ModelBackend", "Pipeline"]
+
+
+class Pipeline(Protocol):
+    """A pipeline-parallel backend's schedule (megatron PP: `megatron_pp.MegatronPipeline`): it runs the
+    forwards, backwards and log-probs over all stages in place of `ModelBackend.logits` / `no_sync`."""
+
+    def logps(self, mbs: list[losses.MicroBatch], *, ref: bool = False) -> list[torch.Tensor]:
+        """log π (or π_ref) of every micro-batch's targets, on every rank of the pipeline."""
+        ...
+
+    def forward_backward(
+        self, mbs: list[losses.MicroBatch], loss_of: Callable[[int, torch.Tensor], torch.Tensor]
+    ) -> None:
+        """Forward and backward of one optimizer step's micro-batches (`loss_of(i, logits)` on the last
+        stage), gradient reductions included."""
+        ...
+
+    def share_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """The last stage's metrics, on every rank of the pipeline."""
+        ...
 
 
 class ModelBackend(Protocol):
     """What a training backend gives the command loop (HF under FSDP2/DDP here; megatron-core in
-    `megatron_backend`). Tensor names are always HF names, so sync and checkpoints are backend-free.
-    A backend with a non-None `pipeline` (megatron PP: `megatron_pp.MegatronPipeline`) has it run the
-    forwards, backwards and log-probs instead of `logits` / `no_sync`."""
+    `megatron_backend`). Tensor names are always HF names, so sync and checkpoints are backend-free."""
 
     wrapper: str
     dp_rank: int
@@ -32,6 +51,18 @@ class ModelBackend(Protocol):
     dp_group: dist.ProcessGroup | None
     optimizer: torch.optim.Optimizer
     hf_source: Path
+
+    @property
+    def pipeline(self) -> Pipeline | None:
+        """The pipeline schedule that runs forwards and backwards instead of `logits` / `no_sync`, or None
+        (no pipeline parallelism)."""
+        ...
+
+    @property
+    def optim_sharded(self) -> bool:
+        """Each rank checkpoints its own optimizer shard (megatron's TP shards), or rank 0 writes one full
+        state (gathered under FSDP2 / DDP)."""
+        ...
 
     def logits(self, mb: losses.MicroBatch) -> torch.Tensor: ...
     def ref_logits(self, mb: losses.MicroBatch) -> torch.Tensor: ...
@@ -46,6 +77,9 @@ class ModelBackend(Protocol):
 
 class HFBackend:
     """transformers' AutoModelForCausalLM under FSDP2 `fully_shard` (world > 1 by default), DDP, or bare."""
+
+    pipeline: Pipeline | None = None  # no pipeline parallelism
+    optim_sharded = False  # rank 0 checkpoints the full (gathered) optimizer state
 
     def __init__(self, cfg: TrainConfig, *, device: torch.device, world: int) -> None:
         from torch.distributed.checkpoint import state_dict as dcp_sd

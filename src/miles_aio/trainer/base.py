@@ -1,4 +1,4 @@
-"""The controller's view of the trainer: three awaitables driven by the step loop.
+"""The controller's view of the trainer: the awaitables the step loop drives (train, sync, save/load, close).
 
 The real implementation is an actor over torch.distributed rank processes; scheduler tests use
 `miles_aio.testing.FakeTrainer`. The controller owns the engine side of a weight push (pause, flush,

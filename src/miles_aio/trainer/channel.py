@@ -3,7 +3,8 @@
 Controller side (no threads): `ChannelListener.serve()` accepts TCP connections in its own TaskGroup;
 each one must complete the HMAC handshake of `protocol` within `handshake_timeout_s` or is closed
 (and counted in `rejected`) without a single frame being read. Authenticated connections are handed to
-`deliver` as an `AsyncChannel` (`send`/`recv` of `protocol.Message`). `serve` runs until cancelled.
+`deliver` as an `AsyncChannel` (`send`/`recv` of frames, `protocol.Message`; `send_message` of a typed
+`protocol.Wire` message). `serve` runs until cancelled.
 
 Rank side (plain blocking code, no asyncio): `connect()` dials the controller, proves the secret and
 checks the controller's proof, then returns a `BlockingChannel`. A rank blocks in `recv()` between
@@ -46,6 +47,9 @@ class AsyncChannel:
     ) -> None:
         self._writer.writelines(protocol.encode_frame(header, tensors))
         await self._writer.drain()
+
+    async def send_message(self, msg: protocol.Wire) -> None:
+        await self.send(*protocol.to_wire(msg))
 
     async def recv(self) -> Message:
         """The next message; `ConnectionError` at EOF (the rank closed or died)."""
@@ -157,6 +161,9 @@ class BlockingChannel:
     def send(self, header: Mapping[str, Any], tensors: Mapping[str, torch.Tensor] | None = None) -> None:
         with self._send_lock:
             self._send(header, tensors)
+
+    def send_message(self, msg: protocol.Wire) -> None:
+        self.send(*protocol.to_wire(msg))
 
     def _send(self, header: Mapping[str, Any], tensors: Mapping[str, torch.Tensor] | None) -> None:
         pending = bytearray()

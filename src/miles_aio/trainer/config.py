@@ -2,9 +2,13 @@
 
 Same conventions as `miles_aio.config`: one frozen dataclass, one field per flag (`--` + name with
 `_` → `-`), help text in the field metadata, invalid values raise `ConfigError` naming the flags from
-`__post_init__`. Rules that need other components' config are module functions the lead calls at the
-cross-check: `check_batch_arithmetic` (samples per step vs `--global-batch-size`) and
-`check_off_policy_correction` (a fully async run must correct for off-policy data somehow).
+`__post_init__` — a pure check (no file reads, no logging), cheap enough to run again wherever a copy
+is made (each rank rebuilds the config from JSON). Rules that need other components' config are
+module functions `RunConfig` calls at the cross-check: `check_batch_arithmetic` (samples per step vs
+`--global-batch-size`), `check_run_lr_decay` and `check_off_policy_correction` (a fully async run must
+correct for off-policy data somehow). What needs more than the values — the checkpoint's layer count
+(`check_model_layers`), the run's decay end (`with_run_lr_decay`), the warnings (`train_warnings`) — is
+done once, in the controller process, by `miles_aio.config.resolve` / `config_warnings`.
 """
 
 from __future__ import annotations
@@ -16,9 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-import structlog
-
-from miles_aio._fields import flag, opt
+from miles_aio._fields import ConfigWarning, flag, opt
 from miles_aio.errors import ConfigError
 
 __all__ = [
@@ -29,7 +31,11 @@ __all__ = [
     "TrainConfig",
     "TransferMode",
     "check_batch_arithmetic",
+    "check_model_layers",
     "check_off_policy_correction",
+    "check_run_lr_decay",
+    "run_lr_decay_iters",
+    "train_warnings",
     "with_run_lr_decay",
 ]
 
@@ -39,8 +45,6 @@ KLLossType = Literal["k1", "k2", "k3", "low_var_kl"]
 LRDecayStyle = Literal["constant", "linear", "cosine"]
 TransferMode = Literal["disk", "broadcast"]
 FsdpWrap = Literal["auto", "fsdp2", "ddp"]
-
-log = structlog.get_logger("miles_aio.trainer.config")
 
 _CHOICES: dict[str, tuple[str, ...]] = {  # checked in __post_init__: the ranks rebuild configs from JSON
     "train_backend": get_args(TrainBackend),
@@ -89,8 +93,8 @@ class TrainConfig:
     # -- batch arithmetic ------------------------------------------------------------------------------
     global_batch_size: int | None = opt(
         None,
-        "Samples per optimizer step; must divide rollout_batch_size × n_samples_per_prompt "
-        "(default: all of them, one optimizer step per rollout).",
+        "Samples per optimizer step; must divide rollout_batch_size × n_samples_per_prompt.",
+        shown_default="all of them, one optimizer step per rollout",
     )
     num_steps_per_rollout: int | None = opt(
         None,
@@ -115,8 +119,8 @@ class TrainConfig:
     lr_decay_iters: int | None = opt(
         None,
         "Optimizer step (counted from the start of the run, warmup included) at which linear/cosine decay "
-        "reaches --min-lr (default, as Megatron: the run's last, num_rollout × optimizer steps per "
-        "rollout).",
+        "reaches --min-lr.",
+        shown_default="as Megatron, the run's last: num_rollout × optimizer steps per rollout",
     )
     min_lr: float = opt(0.0, "Final learning rate of the linear/cosine decay (must be <= --lr).")
     weight_decay: float = opt(0.0, "AdamW weight decay.")
@@ -158,12 +162,12 @@ class TrainConfig:
     )
     eps_clip: float = opt(0.2, "PPO ratio clip: lower bound 1 - eps_clip.")
     eps_clip_high: float | None = opt(
-        None, "PPO ratio clip upper bound 1 + eps_clip_high (default eps_clip)."
+        None, "PPO ratio clip upper bound 1 + eps_clip_high.", shown_default="--eps-clip"
     )
     eps_clip_c: float | None = opt(
         None,
         "Dual-clip PPO: for tokens with negative advantage also bound the loss by -A × c (c > 1), so a "
-        "huge ratio cannot blow up the update (default: off).",
+        "huge ratio cannot blow up the update.",
     )
     use_kl_loss: bool = opt(False, "Add a KL penalty against the frozen initial model (keeps a copy).")
     kl_loss_coef: float = opt(
@@ -211,6 +215,14 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
+        """Pure checks of the values (no file, no environment, no logging): see `miles_aio.config.resolve`
+        for the ones that need more."""
+        self._check_ranges()
+        self._check_lr_schedule()
+        self._check_combinations()
+        self._check_parallelism()
+
+    def _check_ranges(self) -> None:
         for name, choices in _CHOICES.items():
             if getattr(self, name) not in choices:
                 raise ConfigError(
@@ -259,9 +271,10 @@ class TrainConfig:
             f"the dual-clip constant must be > 1, got {self.eps_clip_c}",
         )
         _require(self.lr_warmup_iters >= 0, "lr_warmup_iters", f"must be >= 0, got {self.lr_warmup_iters}")
-        self._check_lr_schedule()
         _require(0 <= self.trainer_port < 65536, "trainer_port", f"must be a port, got {self.trainer_port}")
         _require(self.trainer_num_threads >= 0, "trainer_num_threads", "must be >= 0 (0: automatic)")
+
+    def _check_combinations(self) -> None:
         if self.tis_clip <= self.tis_clip_low:
             raise ConfigError(
                 f"the TIS clamp is empty: [{self.tis_clip_low}, {self.tis_clip}]",
@@ -290,13 +303,8 @@ class TrainConfig:
                 "would ignore it (use --use-kl-loss --kl-loss-coef for a KL penalty in the loss)",
                 flags=["--kl-coef", "--advantage-estimator"],
             )
-        if self.num_steps_per_rollout is not None and self.num_steps_per_rollout > 1:
-            log.warning(
-                "num_steps_per_rollout_adds_off_policyness",
-                num_steps_per_rollout=self.num_steps_per_rollout,
-                detail="every optimizer step after a rollout's first trains on samples generated by an older "
-                "policy, on top of the fully async staleness; keep the TIS/decoupled correction on",
-            )
+
+    def _check_parallelism(self) -> None:
         if self.train_backend == "fsdp" and (
             self.tensor_model_parallel_size > 1 or self.pipeline_model_parallel_size > 1
         ):
@@ -304,7 +312,6 @@ class TrainConfig:
                 "tensor/pipeline parallelism needs --train-backend megatron",
                 flags=["--train-backend", "--tensor-model-parallel-size", "--pipeline-model-parallel-size"],
             )
-        self._check_pipeline_layers()
         mp = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
         if self.world_size % mp:
             raise ConfigError(
@@ -355,23 +362,6 @@ class TrainConfig:
         for reinforce_plus_plus' reward shaping."""
         return self.use_kl_loss or self.kl_coef > 0
 
-    def _check_pipeline_layers(self) -> None:
-        """Megatron splits the decoder layers evenly over the pipeline stages: the checkpoint's layer
-        count must be a multiple of PP (checked when its config.json is readable here)."""
-        pp = self.pipeline_model_parallel_size
-        cfg_file = None if self.hf_checkpoint is None else Path(self.hf_checkpoint) / "config.json"
-        if pp == 1 or cfg_file is None or not cfg_file.is_file():
-            return
-        try:
-            layers = int(json.loads(cfg_file.read_text())["num_hidden_layers"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return  # not an HF config we can read: the rank reports the problem when it loads the model
-        if layers % pp:
-            raise ConfigError(
-                f"the model's {layers} decoder layers do not split evenly into {pp} pipeline stages",
-                flags=["--pipeline-model-parallel-size", "--hf-checkpoint"],
-            )
-
     @property
     def world_size(self) -> int:
         return self.actor_num_nodes * self.actor_num_gpus_per_node
@@ -380,10 +370,6 @@ class TrainConfig:
     def dp_size(self) -> int:
         """Data-parallel ranks: the world divided by the model-parallel group."""
         return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
-
-    @property
-    def clip_high(self) -> float:
-        return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
 
     def optimizer_steps(self, samples_per_step: int) -> int:
         """Optimizer steps per rollout (`check_batch_arithmetic` has made sure this divides evenly)."""
@@ -415,20 +401,67 @@ def _require(ok: bool, name: str, message: str) -> None:
         raise ConfigError(message, flags=[flag(name)])
 
 
-def with_run_lr_decay(train_cfg: TrainConfig, *, num_rollout: int, samples_per_step: int) -> TrainConfig:
-    """`train_cfg` with Megatron's default decay end (`--lr-decay-iters` unset: the run's last optimizer
-    step, num_rollout × optimizer steps per rollout) filled in for a linear/cosine schedule. Resolved
-    when the trainer starts, from the run it trains, so a config copied with another run length never
-    keeps a stale decay end."""
+def run_lr_decay_iters(train_cfg: TrainConfig, *, num_rollout: int, samples_per_step: int) -> int | None:
+    """Megatron's default decay end for a linear/cosine schedule with `--lr-decay-iters` unset: the
+    run's last optimizer step, num_rollout × optimizer steps per rollout (None: nothing to fill in).
+    Pure; raises ConfigError when the run ends before its warmup does."""
     total = num_rollout * train_cfg.optimizer_steps(samples_per_step)
     if train_cfg.lr_decay_style == "constant" or train_cfg.lr_decay_iters is not None or total == 0:
-        return train_cfg
+        return None
     if total <= train_cfg.lr_warmup_iters:
         raise ConfigError(
             f"the run's {total} optimizer steps end before the {train_cfg.lr_warmup_iters}-step warmup",
             flags=["--lr-warmup-iters", "--num-rollout", "--lr-decay-style"],
         )
-    return dataclasses.replace(train_cfg, lr_decay_iters=total)
+    return total
+
+
+def check_run_lr_decay(train_cfg: TrainConfig, *, num_rollout: int, samples_per_step: int) -> None:
+    """The lr schedule fits the run (its optimizer steps outlast the warmup); see `run_lr_decay_iters`."""
+    run_lr_decay_iters(train_cfg, num_rollout=num_rollout, samples_per_step=samples_per_step)
+
+
+def with_run_lr_decay(train_cfg: TrainConfig, *, num_rollout: int, samples_per_step: int) -> TrainConfig:
+    """`train_cfg` with Megatron's default decay end filled in (`run_lr_decay_iters`); unchanged when
+    there is none to fill in. `miles_aio.config.resolve` calls it once, so the run's config and the
+    ranks train with the same value."""
+    total = run_lr_decay_iters(train_cfg, num_rollout=num_rollout, samples_per_step=samples_per_step)
+    return train_cfg if total is None else dataclasses.replace(train_cfg, lr_decay_iters=total)
+
+
+def check_model_layers(train_cfg: TrainConfig) -> None:
+    """Megatron splits the decoder layers evenly over the pipeline stages: the checkpoint's layer
+    count must be a multiple of PP. Reads `--hf-checkpoint`'s config.json (when it is readable here),
+    so it runs in `miles_aio.config.resolve`, not in `__post_init__`."""
+    pp = train_cfg.pipeline_model_parallel_size
+    cfg_file = None if train_cfg.hf_checkpoint is None else Path(train_cfg.hf_checkpoint) / "config.json"
+    if pp == 1 or cfg_file is None or not cfg_file.is_file():
+        return
+    try:
+        layers = int(json.loads(cfg_file.read_text())["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # not an HF config we can read: the rank reports the problem when it loads the model
+    if layers % pp:
+        raise ConfigError(
+            f"the model's {layers} decoder layers do not split evenly into {pp} pipeline stages",
+            flags=["--pipeline-model-parallel-size", "--hf-checkpoint"],
+        )
+
+
+def train_warnings(train_cfg: TrainConfig) -> list[ConfigWarning]:
+    """Valid but risky trainer settings (logged once by the controller process)."""
+    out: list[ConfigWarning] = []
+    if train_cfg.num_steps_per_rollout is not None and train_cfg.num_steps_per_rollout > 1:
+        out.append(
+            ConfigWarning(
+                "num_steps_per_rollout_adds_off_policyness",
+                f"{train_cfg.num_steps_per_rollout} optimizer steps per rollout: every step after a "
+                "rollout's first trains on samples generated by an older policy, on top of the fully async "
+                "staleness; keep the TIS/decoupled correction on",
+                flags=("--num-steps-per-rollout",),
+            )
+        )
+    return out
 
 
 def check_batch_arithmetic(train_cfg: TrainConfig, samples_per_step: int) -> None:

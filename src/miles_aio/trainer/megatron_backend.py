@@ -160,7 +160,9 @@ class MegatronBackend:
             eps=cfg.adam_eps,
             weight_decay=cfg.weight_decay,
         )
-        self.pipeline: MegatronPipeline | None = MegatronPipeline(self) if pp > 1 else None
+        self.pipeline: MegatronPipeline | None = (
+            MegatronPipeline(self, group=ps.get_pipeline_model_parallel_group()) if pp > 1 else None
+        )
 
     # -- forward / backward ----------------------------------------------------------------------------------
     def _forward(self, model: Any, mb: losses.MicroBatch) -> torch.Tensor:

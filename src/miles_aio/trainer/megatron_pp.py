@@ -18,31 +18,46 @@ Only the last stage sees logits, so everything computed from them happens there 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from miles_aio.trainer import losses
 
-if TYPE_CHECKING:
-    from miles_aio.trainer.megatron_backend import MegatronBackend
-
-__all__ = ["MegatronPipeline"]
+__all__ = ["MegatronPipeline", "PipelineStage"]
 
 StageLoss = Callable[[int, torch.Tensor], Any]
 """(micro-batch index, logits [B, T−1, V]) → what the last stage keeps of that micro-batch."""
 
 
-class MegatronPipeline:
-    """Drives megatron's pipeline schedule for one `MegatronBackend` (which owns the model stage)."""
+class PipelineStage(Protocol):
+    """What the pipeline needs of the backend that owns this rank's stage (`MegatronBackend`: this module
+    does not import it, that one imports this)."""
 
-    def __init__(self, backend: MegatronBackend) -> None:
+    model: Any
+    ref: Any
+    device: torch.device
+    vocab: int
+    last: bool
+    pp_rank: int
+    tp_rank: int
+    dp_rank: int
+
+    def stage_forward(self, model: Any, mb: losses.MicroBatch) -> torch.Tensor: ...
+    def reduce_grads(self) -> None: ...
+    def stage_of(self, hf_name: str) -> int: ...
+
+
+class MegatronPipeline:
+    """Drives megatron's pipeline schedule for one backend (`MegatronBackend`, which owns the model stage);
+    `group` is megatron's pipeline-parallel group of this rank."""
+
+    def __init__(self, backend: PipelineStage, *, group: dist.ProcessGroup) -> None:
         from megatron.core.pipeline_parallel import get_forward_backward_func  # type: ignore[import-untyped,import-not-found,unused-ignore]
 
         self.be = backend
-        ps = backend._ps
-        self.group = ps.get_pipeline_model_parallel_group()
+        self.group = group
         self.ranks: list[int] = dist.get_process_group_ranks(self.group)  # global rank of each stage
         # The replica that exports weights: rank 0's pipeline (TP rank 0, DP rank 0 of every stage).
         self.exporter = backend.tp_rank == 0 and backend.dp_rank == 0

@@ -15,10 +15,16 @@ Frames after the handshake: `header_len:u32 ‖ blob_len:u64 ‖ header (UTF-8 J
 a JSON object; its `"tensors"` entry lists `[name, dtype, shape, offset, nbytes]` of raw tensor bytes in
 the blob (little-endian, C order, each 64-byte aligned). No pickle anywhere: decoding never runs code.
 
-Messages (`header["op"]`): controller → rank: init, train, logprobs, get_weights, weight_meta,
-save_hf, bcast_init, bcast_bucket, bcast_destroy, save, load, export_hf, shutdown. Rank → controller: ok
-(a reply, with results), heartbeat (no reply to anything: the rank is alive), or error (type, message,
-traceback; the rank exits non-zero right after).
+Messages are typed: one frozen msgspec Struct per command, its `op` tag in the header, its fields the
+rest of the header, at most one field of tensors (`Tensors`) in the blob. Controller → rank: a
+`Request[R]` subclass per command (`InitRequest`, `TrainRequest`, `LogprobsRequest`, `GetWeightsRequest`,
+`WeightMetaRequest`, `SaveHFRequest`, `BcastInitRequest`, `BcastBucketRequest`, `BcastDestroyRequest`,
+`SaveRequest`, `LoadRequest`, `RemoveHFRequest`, `ShutdownRequest`; the union `AnyRequest`), where `R` is
+the `Reply` it is answered with (`op: "ok"`), so `TrainerActor` sends a `TrainRequest` and gets a
+`TrainReply`. Rank → controller: that reply, a `Heartbeat` (no reply to anything: the rank is alive), or a
+`RankFailure` (`op: "error"`: type, message, traceback; the rank exits non-zero right after). Decoding
+(`decode_request`, `decode_as`) validates every field's type with msgspec: a malformed message is a
+`ProtocolError`, and nothing in it runs code.
 
 Files: weights are HF directories (config/tokenizer copied from the initial checkpoint +
 `model.safetensors`, HF names), written to a temporary sibling and renamed. Optimizer state is
@@ -27,6 +33,7 @@ safetensors (tensors keyed `fqn\nkey`) plus JSON (param groups, scalars): a chec
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
@@ -38,8 +45,9 @@ import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, ClassVar, Final, Generic, TypeVar, cast, get_args
 
+import msgspec
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -54,13 +62,42 @@ __all__ = [
     "PROOF_LEN",
     "RESPONSE_LEN",
     "SECRET_ENV",
+    "AnyRequest",
+    "BcastBucketRequest",
+    "BcastDestroyRequest",
+    "BcastInitRequest",
+    "BcastReply",
+    "GetWeightsRequest",
+    "Heartbeat",
+    "InitReply",
+    "InitRequest",
+    "LoadReply",
+    "LoadRequest",
+    "LogprobsReply",
+    "LogprobsRequest",
     "Message",
     "ProtocolError",
+    "RankFailure",
+    "RemoveHFRequest",
+    "Reply",
+    "Request",
+    "SaveHFRequest",
+    "SaveRequest",
+    "ShutdownRequest",
+    "Tensors",
+    "TrainReply",
+    "TrainRequest",
+    "WeightMetaReply",
+    "WeightMetaRequest",
+    "WeightsReply",
+    "Wire",
     "check_proof",
     "check_response",
     "controller_proof",
+    "decode_as",
     "decode_batch",
     "decode_frame",
+    "decode_request",
     "encode_batch",
     "encode_frame",
     "hello",
@@ -70,8 +107,11 @@ __all__ = [
     "prune_snapshots",
     "rank_response",
     "read_hf_dir",
+    "remove_hf_dir",
+    "reply_to",
     "save_optim_state",
     "secret_from_env",
+    "to_wire",
     "weight_buckets",
     "write_hf_dir",
 ]
@@ -229,6 +269,241 @@ def decode_frame(head: bytes, blob: bytearray) -> Message:
         raw = torch.frombuffer(blob, dtype=torch.uint8, count=nbytes, offset=offset)
         tensors[name] = raw.view(dtype).reshape(shape)
     return Message(header, tensors)
+
+
+# -- typed messages --------------------------------------------------------------------------------------
+Tensors = dict[str, torch.Tensor]
+"""Named tensors: the type of a message's one field that travels in the frame's blob, not its header."""
+
+
+class Reply(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="op", tag="ok"):
+    """A rank's answer to one request (`op: "ok"`); this base class itself is the empty answer."""
+
+
+R = TypeVar("R", bound=Reply)
+
+
+class Request(
+    msgspec.Struct, Generic[R], frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="op"
+):
+    """A command to the ranks; `R` is its reply type (`reply_type`, taken from the class's base)."""
+
+    reply_type: ClassVar[type[Reply]]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        (base,) = cls.__orig_bases__  # type: ignore[attr-defined]  # Request[SomeReply]
+        (reply,) = get_args(base)
+        if not (isinstance(reply, type) and issubclass(reply, Reply)):
+            raise TypeError(f"{cls.__name__}: a request names its reply type, as Request[SomeReply]")
+        cls.reply_type = reply
+
+    @property
+    def op(self) -> str:
+        return str(type(self).__struct_config__.tag)
+
+    def decode_reply(self, msg: Message) -> R:
+        """This request's reply, from a rank's `ok` frame."""
+        return decode_as(msg, cast("type[R]", self.reply_type))
+
+
+def reply_to(req: Request[R], reply: R) -> R:
+    """`reply`, checked by mypy to be the reply type `req` is answered with (the ranks' dispatch uses it)."""
+    return reply
+
+
+class InitReply(Reply, frozen=True):
+    dp_rank: int
+    dp_size: int
+    wrapper: str
+    device: str
+    threads: int
+
+
+class TrainReply(Reply, frozen=True):
+    metrics: dict[str, float]
+
+
+class LogprobsReply(Reply, frozen=True):
+    logps: Tensors
+    """Row i's response-token log-probs under the name str(i)."""
+
+
+class WeightsReply(Reply, frozen=True):
+    weights: Tensors
+    """Every HF tensor (on rank 0; other ranks send none)."""
+
+
+class WeightMetaReply(Reply, frozen=True):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    master_address: str
+    master_port: int
+    """A free port on rank 0's host for the weight-update group it will host."""
+
+
+class BcastReply(Reply, frozen=True):
+    failed: str | None = None
+    """Why the weight-update group's rendezvous or broadcast failed on rank 0 (the rank lives on)."""
+
+
+class LoadReply(Reply, frozen=True):
+    step: int
+
+
+class InitRequest(Request[InitReply], frozen=True, tag="init"):
+    config: str
+    """`TrainConfig.to_json()`."""
+
+
+class TrainRequest(Request[TrainReply], frozen=True, tag="train"):
+    step: int
+    num_tokens: list[float]
+    """Loss-mask tokens of each optimizer step over all ranks (the loss is a global token mean)."""
+    batch: Tensors
+    """This rank's shard (`encode_batch`)."""
+
+
+class LogprobsRequest(Request[LogprobsReply], frozen=True, tag="logprobs"):
+    batch: Tensors
+
+
+class GetWeightsRequest(Request[WeightsReply], frozen=True, tag="get_weights"):
+    pass
+
+
+class WeightMetaRequest(Request[WeightMetaReply], frozen=True, tag="weight_meta"):
+    master_address: str | None = None
+    """The address the engines dial for the group (default: rank 0's own)."""
+
+
+class SaveHFRequest(Request[Reply], frozen=True, tag="save_hf"):
+    """Rank 0 writes an HF model directory (a disk sync, an export)."""
+
+    path: str
+    keep: int = 0
+    """Prune the parent directory to this many snapshots afterwards (0: prune nothing)."""
+
+
+class BcastInitRequest(Request[BcastReply], frozen=True, tag="bcast_init"):
+    backend: str
+    master_address: str
+    master_port: int
+    world_size: int
+    group_name: str
+    timeout_s: float
+
+
+class BcastBucketRequest(Request[BcastReply], frozen=True, tag="bcast_bucket"):
+    names: list[str]
+
+
+class BcastDestroyRequest(Request[Reply], frozen=True, tag="bcast_destroy"):
+    pass
+
+
+class SaveRequest(Request[Reply], frozen=True, tag="save"):
+    step: int
+    directory: str
+
+
+class LoadRequest(Request[LoadReply], frozen=True, tag="load"):
+    directory: str
+
+
+class RemoveHFRequest(Request[Reply], frozen=True, tag="remove_hf"):
+    paths: list[str]
+
+
+class ShutdownRequest(Request[Reply], frozen=True, tag="shutdown"):
+    pass
+
+
+AnyRequest = (
+    InitRequest
+    | TrainRequest
+    | LogprobsRequest
+    | GetWeightsRequest
+    | WeightMetaRequest
+    | SaveHFRequest
+    | BcastInitRequest
+    | BcastBucketRequest
+    | BcastDestroyRequest
+    | SaveRequest
+    | LoadRequest
+    | RemoveHFRequest
+    | ShutdownRequest
+)
+"""Every command a rank obeys (its loop matches on this union; mypy checks that none is left out)."""
+_REQUESTS: Final[dict[str, type[AnyRequest]]] = {
+    str(cls.__struct_config__.tag): cls for cls in get_args(AnyRequest)
+}
+
+
+class Heartbeat(msgspec.Struct, frozen=True, tag_field="op", tag="heartbeat"):
+    """Rank → controller, unprompted, every --trainer-heartbeat-timeout-s / 6: the rank is alive."""
+
+
+class RankFailure(msgspec.Struct, frozen=True, kw_only=True, tag_field="op", tag="error"):
+    """Rank → controller: the exception a rank is about to exit with."""
+
+    type: str = ""
+    message: str = ""
+    traceback: str = ""
+
+
+Wire = Request[Any] | Reply | Heartbeat | RankFailure
+"""Anything sent over the channel."""
+
+
+@functools.cache
+def _tensor_field(cls: type[msgspec.Struct]) -> str | None:
+    names = [f.name for f in msgspec.structs.fields(cls) if f.type == Tensors]
+    if len(names) > 1:
+        raise TypeError(f"{cls.__name__}: at most one field of tensors per message, got {names}")
+    return names[0] if names else None
+
+
+def to_wire(msg: Wire) -> tuple[dict[str, Any], Tensors]:
+    """A message as a frame's header (its `op` tag and JSON fields) and tensors (its `Tensors` field)."""
+    cls = type(msg)
+    tensor_field = _tensor_field(cls)
+    config = cls.__struct_config__
+    header: dict[str, Any] = {} if config.tag_field is None else {config.tag_field: config.tag}
+    tensors: Tensors = {}
+    for f in msgspec.structs.fields(cls):
+        value = getattr(msg, f.name)
+        if f.name == tensor_field:
+            tensors = value
+        else:
+            header[f.encode_name] = msgspec.to_builtins(value)
+    return header, tensors
+
+
+S = TypeVar("S", bound=msgspec.Struct)
+
+
+def decode_as(msg: Message, cls: type[S]) -> S:
+    """A frame as a message of type `cls`: every field type-checked, its tag too; ProtocolError if not."""
+    obj: dict[str, Any] = dict(msg.header)
+    tensor_field = _tensor_field(cls)
+    if tensor_field is not None:
+        obj[tensor_field] = msg.tensors
+    elif msg.tensors:
+        raise ProtocolError(f"{msg.op!r}: a {cls.__name__} carries no tensors, got {sorted(msg.tensors)}")
+    try:
+        return msgspec.convert(obj, cls)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(f"malformed {msg.op!r} message ({cls.__name__}): {exc}") from exc
+
+
+def decode_request(msg: Message) -> AnyRequest:
+    """A controller's frame as the command it names (ProtocolError for an unknown or malformed one)."""
+    cls = _REQUESTS.get(msg.op)
+    if cls is None:
+        raise ProtocolError(f"unknown command {msg.op!r}")
+    return decode_as(msg, cls)
 
 
 # -- training batches ------------------------------------------------------------------------------------

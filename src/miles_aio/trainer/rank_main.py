@@ -5,16 +5,18 @@ host:port, secret in `MILES_AIO_TRAINER_SECRET`, identity from RANK/WORLD_SIZE/L
 rendezvous from MASTER_ADDR/MASTER_PORT, as torchrun sets them), proves the secret, then repeats:
 block on the next command → run it (collectives with the other ranks inside) → reply `ok` with results.
 
-Consumes: `init` (the TrainConfig) once, then train / logprobs / get_weights / weight_meta / save_hf /
-bcast_init / bcast_bucket / bcast_destroy / save / load / export_hf, and `shutdown`. Produces: one reply
-per command (rank 0's carry the results the controller uses; every rank replies so the controller knows
-all are done), and from `init` on a `heartbeat` frame every --trainer-heartbeat-timeout-s / 6 from a
-thread of its own, even inside a long command. Waits for: the controller's next frame, and the other
-ranks inside collectives.
+Consumes: `protocol.AnyRequest`, each frame decoded (and type-checked) by `protocol.decode_request`:
+`InitRequest` (the TrainConfig) once, then train / logprobs / get_weights / weight_meta / save_hf /
+bcast_init / bcast_bucket / bcast_destroy / save / load / remove_hf, and `ShutdownRequest`;
+`RankWorker.handle` matches on the union (mypy checks that every command is handled and answered with its
+own reply type). Produces: one reply per command (rank 0's carry the results the controller uses; every
+rank replies so the controller knows all are done), and from `init` on a `protocol.Heartbeat` every
+--trainer-heartbeat-timeout-s / 6 from a thread of its own, even inside a long command. Waits for: the
+controller's next frame, and the other ranks inside collectives.
 
-Failure: any exception is sent to the controller as `{"op": "error", traceback}` and the process exits
-1; EOF from the controller (it died) exits 3; if spawned by the actor, the rank also dies with it
-(PR_SET_PDEATHSIG), so no rank outlives a killed controller.
+Failure: any exception is sent to the controller as a `protocol.RankFailure` (with the traceback) and the
+process exits 1; EOF from the controller (it died) exits 3; if spawned by the actor, the rank also dies
+with it (PR_SET_PDEATHSIG), so no rank outlives a killed controller.
 
 Rendezvous: ranks the actor spawned (all on this machine; it sets `MILES_AIO_LOCAL_RENDEZVOUS=1` and a
 loopback MASTER_ADDR) build the default group on a TCPStore whose listening socket rank 0 binds to
@@ -40,7 +42,7 @@ import traceback
 from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import assert_never
 
 import torch
 import torch.distributed as dist
@@ -52,7 +54,31 @@ from miles_aio.trainer import losses, protocol
 from miles_aio.trainer.backend import HFBackend, ModelBackend
 from miles_aio.trainer.channel import BlockingChannel, connect
 from miles_aio.trainer.config import TrainConfig
-from miles_aio.trainer.protocol import Message
+from miles_aio.trainer.protocol import (
+    AnyRequest,
+    BcastBucketRequest,
+    BcastDestroyRequest,
+    BcastInitRequest,
+    BcastReply,
+    GetWeightsRequest,
+    InitReply,
+    InitRequest,
+    LoadReply,
+    LoadRequest,
+    LogprobsReply,
+    LogprobsRequest,
+    RemoveHFRequest,
+    Reply,
+    SaveHFRequest,
+    SaveRequest,
+    ShutdownRequest,
+    TrainReply,
+    TrainRequest,
+    WeightMetaReply,
+    WeightMetaRequest,
+    WeightsReply,
+    reply_to,
+)
 
 __all__ = ["RankWorker", "main"]
 
@@ -61,8 +87,6 @@ PARENT_ENV = "MILES_AIO_PARENT_PID"
 THREADS_ENV = "MILES_AIO_RANK_THREADS"
 LOCAL_RENDEZVOUS_ENV = "MILES_AIO_LOCAL_RENDEZVOUS"
 _LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
-Reply = tuple[dict[str, Any], dict[str, torch.Tensor]]
-"""A command's reply: header fields and tensors."""
 
 
 class RankWorker:
@@ -95,22 +119,45 @@ class RankWorker:
         self.weight_group: dist.ProcessGroup | None = None
         self.optimizer_steps = 0
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> InitReply:
         be = self.backend
-        return {
-            "dp_rank": be.dp_rank,
-            "dp_size": be.dp_size,
-            "wrapper": be.wrapper,
-            "device": str(self.device),
-            "threads": torch.get_num_threads(),
-        }
+        return InitReply(
+            dp_rank=be.dp_rank,
+            dp_size=be.dp_size,
+            wrapper=be.wrapper,
+            device=str(self.device),
+            threads=torch.get_num_threads(),
+        )
 
-    def handle(self, msg: Message) -> Reply:
-        fn = getattr(self, f"op_{msg.op}", None)
-        if fn is None:
-            raise ValueError(f"unknown command {msg.op!r}")
-        out: Reply = fn(msg)
-        return out
+    def handle(self, req: AnyRequest) -> Reply:
+        """Run one command (after `init`); `reply_to` has mypy check each reply type against the request's."""
+        match req:
+            case TrainRequest():
+                return reply_to(req, self.train(req))
+            case LogprobsRequest():
+                return reply_to(req, self.logprobs(req))
+            case GetWeightsRequest():
+                return reply_to(req, self.get_weights(req))
+            case WeightMetaRequest():
+                return reply_to(req, self.weight_meta(req))
+            case SaveHFRequest():
+                return reply_to(req, self.save_hf(req))
+            case BcastInitRequest():
+                return reply_to(req, self.bcast_init(req))
+            case BcastBucketRequest():
+                return reply_to(req, self.bcast_bucket(req))
+            case BcastDestroyRequest():
+                return reply_to(req, self.bcast_destroy(req))
+            case SaveRequest():
+                return reply_to(req, self.save(req))
+            case LoadRequest():
+                return reply_to(req, self.load(req))
+            case RemoveHFRequest():
+                return reply_to(req, self.remove_hf(req))
+            case InitRequest() | ShutdownRequest():  # the command loop's own (`_serve`)
+                raise ValueError(f"command {req.op!r} is not the worker's")
+            case _:
+                assert_never(req)
 
     # -- training -----------------------------------------------------------------------------------------
     def _lockstep(self, per_step: list[list[losses.MicroBatch]]) -> list[list[losses.MicroBatch]]:
@@ -124,16 +171,16 @@ class RankWorker:
         ]
 
     def _logps(self, mbs: list[losses.MicroBatch], *, ref: bool = False) -> list[torch.Tensor]:
-        if (pipeline := getattr(self.backend, "pipeline", None)) is not None:  # megatron PP
-            return list(pipeline.logps(mbs, ref=ref))
+        if (pipeline := self.backend.pipeline) is not None:  # megatron PP
+            return pipeline.logps(mbs, ref=ref)
         fwd = self.backend.ref_logits if ref else self.backend.logits
         return [losses.token_log_probs(fwd(mb), mb.targets) for mb in mbs]
 
-    def op_train(self, msg: Message) -> Reply:
+    def train(self, req: TrainRequest) -> TrainReply:
         cfg, be = self.cfg, self.backend
         t0 = time.monotonic()
-        rows = protocol.decode_batch(msg.tensors)
-        num_tokens: list[float] = msg.header["num_tokens"]
+        rows = protocol.decode_batch(req.batch)
+        num_tokens = req.num_tokens
         mbsize, max_tokens = cfg.micro_batch_size, cfg.max_tokens_per_gpu
         split = functools.partial(losses.split_micro_batches, micro_batch_size=mbsize, max_tokens=max_tokens)
         step_rows = [[r for r in rows if r.opt_step == j] for j in range(len(num_tokens))]
@@ -166,7 +213,7 @@ class RankWorker:
             # DDP/FSDP average gradients over dp ranks; the loss is already a global token mean.
             return out.loss * be.dp_size
 
-        pipeline = getattr(be, "pipeline", None)  # megatron PP: its schedule runs forward and backward
+        pipeline = be.pipeline  # megatron PP: its schedule runs forward and backward
         for j, mbs in enumerate(per_step):
             be.optimizer.zero_grad(set_to_none=True)
             if pipeline is not None:
@@ -193,7 +240,7 @@ class RankWorker:
             "perf/trainer_tokens_per_s": float(tokens) / max(wall, 1e-9),
             "perf/trainer_step_s": wall,
         }
-        return {"metrics": metrics}, {}
+        return TrainReply(metrics=metrics)
 
     def _token_advantages(
         self,
@@ -239,90 +286,91 @@ class RankWorker:
         )
         return {f"train/{k}": v for k, v in out.items()}
 
-    def op_logprobs(self, msg: Message) -> Reply:
+    def logprobs(self, req: LogprobsRequest) -> LogprobsReply:
         """Current-policy log-probs of each row's response tokens (tests, benchmarks, debugging)."""
-        rows = protocol.decode_batch(msg.tensors)
+        rows = protocol.decode_batch(req.batch)
         out: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             logps = self._logps([losses.collate([row]).to(self.device) for row in rows])
         for i, (row, logp) in enumerate(zip(rows, logps, strict=True)):
             n, r = int(row.tokens.numel()), row.response_length
             out[str(i)] = logp[0, n - r - 1 : n - 1].cpu()
-        return {}, out
+        return LogprobsReply(logps=out)
 
     # -- weights ------------------------------------------------------------------------------------------
     def _all_names(self) -> list[str]:
         return [n for n, _, _ in self.backend.weight_meta()]
 
-    def op_get_weights(self, msg: Message) -> Reply:
+    def get_weights(self, req: GetWeightsRequest) -> WeightsReply:
         tensors = self.backend.hf_tensors(self._all_names())
-        return {}, tensors if self.rank == 0 else {}
+        return WeightsReply(weights=tensors if self.rank == 0 else {})
 
-    def op_save_hf(self, msg: Message) -> Reply:
+    def save_hf(self, req: SaveHFRequest) -> Reply:
         """Disk sync / export: rank 0 writes a complete HF model directory (atomically renamed)."""
         tensors = self.backend.hf_tensors(self._all_names())
-        path = Path(msg.header["path"]).absolute()
+        path = Path(req.path).absolute()
         if self.rank == 0:
             protocol.write_hf_dir(tensors, path, source=self.backend.hf_source)
-            if keep := msg.header.get("keep"):
+            if req.keep:
                 # Older snapshots go: the engines loaded the previous one before this sync started.
-                protocol.prune_snapshots(path.parent, int(keep))
-        return {"path": str(path)}, {}
+                protocol.prune_snapshots(path.parent, req.keep)
+        return Reply()
 
-    def op_weight_meta(self, msg: Message) -> Reply:
+    def weight_meta(self, req: WeightMetaRequest) -> WeightMetaReply:
         meta = self.backend.weight_meta()
         with socket.socket() as s:  # a free port for the weight-update group rank 0 will host
             s.bind(("", 0))
             port = int(s.getsockname()[1])
-        addr = msg.header.get("master_address") or _my_address()
-        dtypes = [str(d).removeprefix("torch.") for _, d, _ in meta]
-        names, shapes = [n for n, _, _ in meta], [s for _, _, s in meta]
-        return {
-            "names": names,
-            "dtypes": dtypes,
-            "shapes": shapes,
-            "master_address": addr,
-            "master_port": port,
-        }, {}
+        return WeightMetaReply(
+            names=[n for n, _, _ in meta],
+            dtypes=[str(d).removeprefix("torch.") for _, d, _ in meta],
+            shapes=[s for _, _, s in meta],
+            master_address=req.master_address or _my_address(),
+            master_port=port,
+        )
 
     # A failed rendezvous or broadcast of the weight-update group is the engines' failure (one died or froze
     # mid-collective), not this rank's: rank 0 drops the group and replies `failed`, the controller
     # sends that push by disk instead and forms a new group with the engines present at the next one.
-    def op_bcast_init(self, msg: Message) -> Reply:
+    def bcast_init(self, req: BcastInitRequest) -> BcastReply:
         if self.rank == 0:
             from miles_aio.weight_broadcast import init_custom_process_group
 
             self._drop_weight_group()
-            keys = ("backend", "master_address", "master_port", "world_size", "group_name")
-            timeout = timedelta(seconds=float(msg.header.get("timeout_s", self.cfg.dist_timeout_s)))
             try:
                 self.weight_group = init_custom_process_group(
-                    **{k: msg.header[k] for k in keys}, rank=0, timeout=timeout
+                    backend=req.backend,
+                    master_address=req.master_address,
+                    master_port=req.master_port,
+                    world_size=req.world_size,
+                    group_name=req.group_name,
+                    rank=0,
+                    timeout=timedelta(seconds=req.timeout_s),
                 )
             except Exception as exc:  # the engines did not all join: reported, the rank lives on
-                return {"failed": f"{type(exc).__name__}: {exc}"}, {}
-        return {}, {}
+                return BcastReply(failed=f"{type(exc).__name__}: {exc}")
+        return BcastReply()
 
-    def op_bcast_bucket(self, msg: Message) -> Reply:
-        names: list[str] = msg.header["names"]
+    def bcast_bucket(self, req: BcastBucketRequest) -> BcastReply:
+        names = req.names
         tensors = self.backend.hf_tensors(names)  # every rank: a collective under FSDP2 / TP
         if self.rank == 0:
             from miles_aio.weight_broadcast import broadcast_weights
 
             if self.weight_group is None:
-                return {"failed": "no weight-update group (its rendezvous or a broadcast failed)"}, {}
+                return BcastReply(failed="no weight-update group (its rendezvous or a broadcast failed)")
             dev = "cuda" if self.device.type == "cuda" else "cpu"  # nccl broadcasts from GPU memory
             try:
                 broadcast_weights(((n, tensors[n].to(dev)) for n in names), group=self.weight_group)
             except Exception as exc:  # an engine left the collective: reported, the rank lives on
                 self._drop_weight_group()
-                return {"failed": f"{type(exc).__name__}: {exc}"}, {}
-        return {}, {}
+                return BcastReply(failed=f"{type(exc).__name__}: {exc}")
+        return BcastReply()
 
-    def op_bcast_destroy(self, msg: Message) -> Reply:
+    def bcast_destroy(self, req: BcastDestroyRequest) -> Reply:
         """Leave the weight-update group (the set of engines changed: a new one is formed)."""
         self._drop_weight_group()
-        return {}, {}
+        return Reply()
 
     def _drop_weight_group(self) -> None:
         group, self.weight_group = self.weight_group, None
@@ -333,9 +381,9 @@ class RankWorker:
                 sys.stderr.write(f"rank {self.rank}: dropping the weight-update group: {exc!r}\n")
 
     # -- checkpoints --------------------------------------------------------------------------------------
-    def op_save(self, msg: Message) -> Reply:
+    def save(self, req: SaveRequest) -> Reply:
         """Model (HF safetensors), optimizer (safetensors + JSON, no pickle), per-rank RNG, step."""
-        d = Path(msg.header["directory"]).absolute()
+        d = Path(req.directory).absolute()
         tensors = self.backend.hf_tensors(self._all_names())
         optim = self.backend.optim_state()
         d.mkdir(parents=True, exist_ok=True)
@@ -352,14 +400,14 @@ class RankWorker:
             fsync_path(f)
         if self.rank == 0:
             protocol.write_hf_dir(tensors, d / "model", source=self.backend.hf_source, durable=True)
-            meta = {"step": msg.header["step"], "optimizer_steps": self.optimizer_steps}
+            meta = {"step": req.step, "optimizer_steps": self.optimizer_steps}
             write_file_atomic(d / "trainer_state.json", json.dumps(meta).encode())
         fsync_dir(d)
         dist.barrier()  # every rank's files are written and fsynced when the reply arrives
-        return {}, {}
+        return Reply()
 
-    def op_load(self, msg: Message) -> Reply:
-        d = Path(msg.header["directory"]).absolute()
+    def load(self, req: LoadRequest) -> LoadReply:
+        d = Path(req.directory).absolute()
         meta = json.loads((d / "trainer_state.json").read_text())
         self.backend.load_hf_tensors(protocol.read_hf_dir(d / "model"))
         self.backend.load_optim_state(protocol.load_optim_state(self._optim_stem(d)))
@@ -370,25 +418,23 @@ class RankWorker:
             if "cuda" in rng and torch.cuda.is_available():
                 torch.cuda.set_rng_state(rng["cuda"])
         self.optimizer_steps = int(meta["optimizer_steps"])
-        return {"step": meta["step"]}, {}
+        return LoadReply(step=int(meta["step"]))
 
     @property
     def _optim_sharded(self) -> bool:
         """Megatron keeps one optimizer file per rank (TP shards); FSDP/DDP gather one full state."""
-        return bool(getattr(self.backend, "optim_sharded", False))
+        return self.backend.optim_sharded
 
     def _optim_stem(self, d: Path) -> Path:
         return d / (f"optimizer_rank{self.rank}" if self._optim_sharded else "optimizer")
 
-    op_export_hf = op_save_hf
-
-    def op_remove_hf(self, msg: Message) -> Reply:
+    def remove_hf(self, req: RemoveHFRequest) -> Reply:
         """Delete HF directories this trainer exported (retired eval snapshots), on rank 0: the controller
         never blocks its loop on (or spawns a thread for) deleting a model of many GB."""
         if self.rank == 0:
-            for path in msg.header["paths"]:
+            for path in req.paths:
                 protocol.remove_hf_dir(Path(path))
-        return {}, {}
+        return Reply()
 
 
 def loopback_rendezvous(env: Mapping[str, str]) -> bool:
@@ -426,7 +472,7 @@ def _die_with_parent() -> None:
 
 
 def _start_heartbeat(chan: BlockingChannel, timeout_s: float) -> None:
-    """A daemon thread sends `{"op": "heartbeat"}` every timeout/6 s, whatever the command loop is doing
+    """A daemon thread sends a `protocol.Heartbeat` every timeout/6 s, whatever the command loop is doing
     (torch releases the GIL in its kernels and collectives), so the controller tells a busy rank from a
     frozen one (SIGSTOP stops every thread). It ends with the channel. timeout 0: no heartbeat."""
     if timeout_s <= 0:
@@ -437,7 +483,7 @@ def _start_heartbeat(chan: BlockingChannel, timeout_s: float) -> None:
         while True:
             time.sleep(interval)  # a thread of its own: sleeping is all it does
             try:
-                chan.send({"op": "heartbeat"})
+                chan.send_message(protocol.Heartbeat())
             except OSError:  # the channel closed (shutdown, controller gone): nothing left to tell
                 return
 
@@ -447,21 +493,21 @@ def _start_heartbeat(chan: BlockingChannel, timeout_s: float) -> None:
 def _serve(chan: BlockingChannel, rank: int, world: int) -> int:
     worker: RankWorker | None = None
     while True:
-        msg = chan.recv()
-        if msg.op == "shutdown":
-            chan.send({"op": "ok"})
-            return 0
-        if msg.op == "init":
-            local_rank = int(os.environ.get("LOCAL_RANK", rank))
-            cfg = TrainConfig.from_json(msg.header["config"])
-            _start_heartbeat(chan, cfg.trainer_heartbeat_timeout_s)  # before the (long) model load
-            worker = RankWorker(cfg, rank=rank, world=world, local_rank=local_rank)
-            chan.send({"op": "ok", **worker.info()})
-            continue
-        if worker is None:
-            raise RuntimeError(f"command {msg.op!r} before init")
-        header, tensors = worker.handle(msg)
-        chan.send({"op": "ok", **header}, tensors)
+        req = protocol.decode_request(chan.recv())
+        match req:
+            case ShutdownRequest():
+                chan.send_message(reply_to(req, Reply()))
+                return 0
+            case InitRequest():
+                local_rank = int(os.environ.get("LOCAL_RANK", rank))
+                cfg = TrainConfig.from_json(req.config)
+                _start_heartbeat(chan, cfg.trainer_heartbeat_timeout_s)  # before the (long) model load
+                worker = RankWorker(cfg, rank=rank, world=world, local_rank=local_rank)
+                chan.send_message(reply_to(req, worker.info()))
+            case _ if worker is None:
+                raise RuntimeError(f"command {req.op!r} before init")
+            case _:
+                chan.send_message(worker.handle(req))
 
 
 def main() -> int:
@@ -484,7 +530,7 @@ def main() -> int:
         tb = traceback.format_exc()
         sys.stderr.write(f"rank {rank} failed:\n{tb}")
         with contextlib.suppress(OSError):
-            chan.send({"op": "error", "type": type(exc).__name__, "message": str(exc), "traceback": tb})
+            chan.send_message(protocol.RankFailure(type=type(exc).__name__, message=str(exc), traceback=tb))
         # No destroy_process_group: the other ranks may sit in a collective that will never finish,
         # and the controller takes them down once it sees this report.
         return 1

@@ -21,7 +21,7 @@ from typing import Any
 
 from miles_aio.config import RunConfig
 from miles_aio.errors import ConfigError
-from miles_aio.plugins import load_object
+from miles_aio.import_paths import load_object
 from miles_aio.trainer.config import TrainConfig
 from miles_aio.types import Group
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles_aio.errors import ConfigError, PluginError
-from miles_aio.plugins import load_object
+from miles_aio.import_paths import load_object
 from miles_aio.rollout.agent.session import trajectory_sample
 from miles_aio.rollout.context import RolloutContext
 from miles_aio.rollout.pool import RolloutFailed

@@ -26,7 +26,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any, Final, TypeAlias
 
 from miles_aio.errors import PluginError
-from miles_aio.plugins import load_object
+from miles_aio.import_paths import load_object
 
 __all__ = [
     "BUILTIN_MATCHERS",

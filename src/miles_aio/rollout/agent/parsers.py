@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Final, TypeAlias
 
 from miles_aio.errors import PluginError
-from miles_aio.plugins import load_object
+from miles_aio.import_paths import load_object
 
 __all__ = [
     "BUILTIN_PARSERS",

@@ -1,0 +1,59 @@
+"""The tiny model's tokenizer: a character outside the alphabet is `<unk>`, not silently dropped."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from miles_aio.models.tiny import CHAT_TOKENS, EOS_TOKEN, UNK_TOKEN, build_tiny_llama, load_tokenizer
+from miles_aio.tasks.arithmetic import ALPHABET
+
+SHAPE = {"hidden_size": 32, "num_heads": 2, "num_kv_heads": 1}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "m", alphabet=ALPHABET, **SHAPE)
+
+
+def tokenizers(model_dir: Path) -> list[Any]:
+    from transformers import AutoTokenizer
+
+    return [AutoTokenizer.from_pretrained(model_dir), load_tokenizer(model_dir)]  # as recipes, as tasks
+
+
+def test_unknown_characters_encode_to_unk_one_each(model_dir: Path) -> None:
+    for tok in tokenizers(model_dir):
+        unk = tok.unk_token_id
+        assert tok.unk_token == UNK_TOKEN and unk == len(tok) - 1  # the last id
+        assert tok.encode("?hint", add_special_tokens=False) == [unk] * 5
+        assert tok.encode("1?2", add_special_tokens=False) == [tok.convert_tokens_to_ids("1"), unk, 5]
+        assert tok.decode(tok.encode("?1")) == "<unk>1"  # visible where it was
+        assert tok.decode(tok.encode("?1"), skip_special_tokens=True) == "1"
+
+
+def test_known_ids_are_unchanged(model_dir: Path) -> None:
+    """<pad> <s> </s>, then the alphabet in order: what every checkpoint built before <unk> has."""
+    tok = load_tokenizer(model_dir)
+    assert tok.convert_tokens_to_ids(["<pad>", "<s>", EOS_TOKEN]) == [0, 1, 2]
+    assert tok.encode(ALPHABET) == list(range(3, 3 + len(ALPHABET)))
+
+
+def test_chat_tokens_keep_their_ids_and_unk_comes_after(tmp_path: Path) -> None:
+    tok = load_tokenizer(build_tiny_llama(tmp_path / "chat", alphabet=ALPHABET, chat_tokens=True, **SHAPE))
+    first = 3 + len(ALPHABET)
+    assert tok.convert_tokens_to_ids(list(CHAT_TOKENS)) == list(range(first, first + len(CHAT_TOKENS)))
+    assert tok.unk_token_id == first + len(CHAT_TOKENS) == len(tok) - 1
+
+
+def test_the_model_has_a_row_for_unk(model_dir: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tok = load_tokenizer(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    assert model.config.vocab_size == len(tok)
+    logits = model(input_ids=torch.tensor([tok.encode("12?=")])).logits
+    assert logits.shape == (1, 4, len(tok)) and torch.isfinite(logits).all()
