@@ -1,38 +1,52 @@
 """Per-turn overhead of the agent session endpoint vs `/generate` straight through the rollout's engine.
 
     python -m benchmarks.agent_sessions [--output bench-results/agent_sessions.json] [--concurrency 1,256]
-                                        [--turns 3] [--max-tokens 8] [--repeats 3] [--profile PATH] [--quick]
+                                        [--turns 3] [--reply-tokens 128:256] [--max-tokens 8] [--no-short]
+                                        [--repeats 3] [--profile PATH] [--quick]
 
-One real embedded engine process (a tiny random-init Llama with role tokens and a chat template,
-`build_tiny_llama(chat_tokens=True)`), reached through the `EngineRouter` and a `LimitedEngine` as a run
-builds it; one `RolloutContext` over it and the run's `SessionServer` (`agent_sessions`) in this process,
-the controller's. Every conversation has `--turns` user messages; every reply is exactly `--max-tokens`
-tokens (temperature 1, `ignore_eos`), so all sides generate the same number of tokens from prompts of the
-same length. At each concurrency C (conversations in flight; `--waves` × C of them per measurement):
+One real embedded engine process serving a random-init Llama of the size the recipes train
+(`build_tiny_llama`'s defaults: hidden 128, 2 layers; role tokens and a chat template), reached through
+the `EngineRouter` and a `LimitedEngine` as a run builds it; one `RolloutContext` over it and the run's
+`SessionServer` (`agent_sessions`) in this process, the controller's. Every conversation has `--turns`
+user messages. Two cases, each its own table:
+
+* realistic (the targets apply): every reply of conversation i is exactly `reply_len(i)` tokens, spread
+  over `--reply-tokens` (default 128 to 256: an agent's turn of reasoning or a tool call plus text);
+* short (adversarial, `--max-tokens`, default 8; `--no-short` skips it): 8-token replies, where the
+  engine does almost nothing per turn, so the endpoint's fixed cost per turn is as large as it gets
+  relative to the engine's.
+
+All sides generate the same number of tokens from prompts of the same length (temperature 1,
+`ignore_eos`). At each concurrency C (conversations in flight; `--waves` × C of them per measurement, at
+least `--min-sessions`):
 
 * agent: an agent on the official `openai.AsyncOpenAI` client (one per session, all on one shared httpx
   pool), in this process as `--custom-agent-function-path` agents are, holds each conversation with the
   session endpoint, which renders the chat template, tokenizes the appended messages and calls
-  `ctx.engine.generate`;
+  `ctx.engine.generate`; the openai client's own CPU is the agent's (user code), and it is counted here;
 * http: the same requests (the same JSON) from a bare aiohttp client: the endpoint's overhead without
   the official client's;
 * direct: a coroutine sends the same token ids straight to `ctx.engine.generate`: each turn's prompt is
   the previous turn's prompt + output + the tokens the session appended (recorded once, in a warm-up
-  conversation with the endpoint), with the session's sampling params.
+  conversation with the endpoint, by `miles_aio.testing.recording.RecordingEngine`), with the session's
+  sampling params.
 
 Latency is per turn (agent and http: the chat call; direct: the `generate` call); turns/s = turns / wall
 time of the measurement. The engine's prefix cache is flushed before every measurement, so each side gets
 the same multi-turn reuse. The sides take turns (the order rotates) over `--repeats` rounds; ratios are
 per round (side / direct: p50 and p99 latency, turns/s) and their median is reported. Targets: latency
-ratio ≤ 1.1, throughput ratio ≥ 0.9.
+ratio ≤ 1.1, throughput ratio ≥ 0.9. Next to them, not a target: the paired per-turn ratio, the median over
+turns of a turn's latency ÷ the same turn's direct latency (the p50 of a few dozen turns of different
+lengths moves with which turn lands in the middle; the paired ratio does not).
 
-Without the engine: the endpoint's own CPU time per turn. The session server runs in this process over a
-fake engine that answers at once; the agents (the same `openai` code) run in a child process, so this
-process's CPU time is the endpoint's alone (HTTP, history matching, template, tokenizer, reply). Next to
-it: the floor, a bare aiohttp handler on the same route answering a canned completion (what any aiohttp
-endpoint costs), the difference (the session's own work), the direct `generate` call on the same fake
-(the limiter slot), and the agents' CPU per turn (the openai client). Lowest of `--repeats` interleaved
-runs. `--profile PATH` writes a CPU-time cProfile of this process over the no-engine endpoint runs.
+Without the engine: the endpoint's own CPU time per turn (realistic reply lengths). The session server
+runs in this process over a fake engine that answers at once; the agents (the same `openai` code) run in
+a child process, so this process's CPU time is the endpoint's alone (HTTP, history matching, template,
+tokenizer, reply). Next to it: the floor, a bare aiohttp handler on the same route answering a canned
+completion of the same size (what any aiohttp endpoint costs), the difference (the session's own work),
+the direct `generate` call on the same fake (the limiter slot), and the agents' CPU per turn (the openai
+client). Lowest of `--repeats` interleaved runs. `--profile PATH` writes a CPU-time cProfile of this
+process over the no-engine endpoint runs (the profiler inflates the CPU figures of that run).
 """
 
 from __future__ import annotations
@@ -41,6 +55,7 @@ import argparse
 import asyncio
 import contextlib
 import cProfile
+import dataclasses
 import importlib
 import itertools
 import json
@@ -69,7 +84,7 @@ from miles_aio.config import (
     SchedulerConfig,
     TrainConfig,
 )
-from miles_aio.inference.base import InferenceEngine, PauseMode
+from miles_aio.inference.base import PauseMode
 from miles_aio.inference.local_launch import launch_local_engines
 from miles_aio.inference.router import EngineRouter
 from miles_aio.logs import configure_logging
@@ -79,6 +94,7 @@ from miles_aio.rollout.agent import agent_sessions
 from miles_aio.rollout.agent.server import SessionServer
 from miles_aio.rollout.context import LimitedEngine, RolloutContext
 from miles_aio.rollout.limiter import Limiter
+from miles_aio.testing.recording import RecordingEngine
 from miles_aio.types import GenerateOutput
 
 ALPHABET: Final = "abcdefghijklmnopqrstuvwxyz0123456789 +=?.,"
@@ -98,7 +114,8 @@ class Setup:
     waves: int
     min_sessions: int
     turns: int
-    max_tokens: int
+    reply_tokens: tuple[int, int]
+    """Conversation i's replies are `reply_len(i)` tokens, spread over this closed range."""
     repeats: int
     cpu_turns: int
     """Turns per no-engine measurement (at least one conversation per slot)."""
@@ -106,11 +123,20 @@ class Setup:
     def sessions(self, c: int) -> int:
         return max(self.min_sessions, self.waves * c)
 
+    def reply_len(self, i: int) -> int:
+        lo, hi = self.reply_tokens
+        return lo + (i * 37) % (hi - lo + 1)
+
+    def mean_reply_len(self, n: int) -> float:
+        return statistics.mean(self.reply_len(i) for i in range(n))
+
 
 # ---- the conversations and the clients --------------------------------------------------------------------
 
 Chat = Callable[[list[dict[str, Any]]], Awaitable[tuple[str | None, int, int]]]
 """One chat call: the messages so far → (reply content, prompt tokens, completion tokens)."""
+ChatFactory = Callable[[str, int], Chat]
+"""A conversation's chat call, from its session's base_url and its replies' length in tokens."""
 
 
 def user_messages(i: int, turns: int) -> list[str]:
@@ -225,13 +251,19 @@ class Plan:
     """Per turn after the first: the tokens the session appended after the previous output."""
     params: list[dict[str, Any]]
 
-    def prompt_lens(self, max_tokens: int) -> list[int]:
+    def prompt_lens(self) -> list[int]:
+        """Each turn's prompt length: the last prompt + the reply (`max_new_tokens` of the last turn's
+        params: every reply is exactly that long) + what the session appended."""
         n, out = len(self.first_prompt), []
         for k in range(len(self.params)):
             if k:
-                n += max_tokens + len(self.appended[k - 1])
+                n += int(self.params[k - 1]["max_new_tokens"]) + len(self.appended[k - 1])
             out.append(n)
         return out
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(int(p["max_new_tokens"]) for p in self.params)
 
 
 @dataclass(slots=True)
@@ -240,49 +272,21 @@ class Run:
     prompt_tokens: list[list[int]] = field(default_factory=list)
     completion_tokens: int = 0
     wall_s: float = 0.0
+    by_turn: dict[tuple[int, int], float] = field(default_factory=dict)
+    """Latency of (conversation, turn): the same turn on every side, for paired ratios."""
 
     @property
     def turns(self) -> int:
         return len(self.latencies_s)
 
 
-class Recorder:
-    """An engine wrapper for the warm-up conversations: records each call's input, params and output."""
-
-    def __init__(self, inner: InferenceEngine) -> None:
-        self.inner = inner
-        self.calls: dict[Hashable, list[tuple[list[int], dict[str, Any], GenerateOutput]]] = {}
-
-    async def generate(
-        self, *, input_ids: list[int], sampling_params: Mapping[str, Any], routing_key: Hashable | None = None
-    ) -> GenerateOutput:
-        out: GenerateOutput = await self.inner.generate(
-            input_ids=input_ids, sampling_params=sampling_params, routing_key=routing_key
-        )
-        self.calls.setdefault(routing_key, []).append((list(input_ids), dict(sampling_params), out))
-        return out
-
-    async def pause_generation(self, mode: PauseMode) -> None:
-        await self.inner.pause_generation(mode)
-
-    async def continue_generation(self) -> None:
-        await self.inner.continue_generation()
-
-    async def flush_cache(self) -> None:
-        await self.inner.flush_cache()
-
-    async def update_weight_version(self, version: int) -> None:
-        await self.inner.update_weight_version(version)
-
-    async def update_weights_from_disk(self, model_path: str, *, version: int) -> None:
-        await self.inner.update_weights_from_disk(model_path, version=version)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-
 async def session_side(
-    server: SessionServer, ctx: RolloutContext, make_chat: Callable[[str], Chat], n: int, c: int, turns: int
+    server: SessionServer,
+    ctx: RolloutContext,
+    make_chat: ChatFactory,
+    n: int,
+    c: int,
+    s: Setup,
 ) -> tuple[Run, list[str]]:
     """`n` conversations with the session endpoint, `c` at a time; also each one's session id."""
     limit, run, sids = asyncio.Semaphore(c), Run(), [""] * n
@@ -290,8 +294,9 @@ async def session_side(
     async def one(i: int) -> None:
         async with limit, server.session(ctx, SESSION_PARAMS) as session:
             sids[i] = session.id
-            got = await converse(make_chat(session.base_url), user_messages(i, turns))
+            got = await converse(make_chat(session.base_url, s.reply_len(i)), user_messages(i, s.turns))
         run.latencies_s += [t[0] for t in got]
+        run.by_turn.update({(i, k): t[0] for k, t in enumerate(got)})
         run.prompt_tokens.append([t[1] for t in got])
         run.completion_tokens += sum(t[2] for t in got)
 
@@ -320,6 +325,7 @@ async def direct_side(ctx: RolloutContext, plans: Sequence[Plan], c: int, tag: s
                     input_ids=ids, sampling_params=params, routing_key=f"{tag}{i}"
                 )
                 run.latencies_s.append(time.perf_counter() - t0)
+                run.by_turn[i, k] = run.latencies_s[-1]
                 run.completion_tokens += len(out.output_ids)
         run.prompt_tokens.append(lens)
 
@@ -332,38 +338,38 @@ async def direct_side(ctx: RolloutContext, plans: Sequence[Plan], c: int, tag: s
 
 
 async def record_plans(
-    server: SessionServer, ctx: RolloutContext, make_chat: Callable[[str], Chat], n: int, turns: int
+    server: SessionServer, ctx: RolloutContext, make_chat: ChatFactory, n: int, s: Setup
 ) -> list[Plan]:
     """Hold `n` conversations with the endpoint over a recording engine: what each turn sent."""
     assert isinstance(ctx.engine, LimitedEngine)
-    rec = Recorder(ctx.engine.inner)
+    rec = RecordingEngine(ctx.engine.inner)
     rec_ctx = RolloutContext(
         engine=LimitedEngine(rec, ctx.engine.limiter), tokenizer=ctx.tokenizer, config=ctx.config, log=ctx.log
     )
-    _, sids = await session_side(server, rec_ctx, make_chat, n, min(n, 64), turns)
+    _, sids = await session_side(server, rec_ctx, make_chat, n, min(n, 64), s)
+    by_session = rec.by_routing_key()
     plans = []
     for sid in sids:
-        calls = rec.calls[sid]
-        if len(calls) != turns:
-            raise RuntimeError(f"session {sid}: {len(calls)} engine calls, expected {turns}")
+        calls = by_session[sid]
+        if len(calls) != s.turns:
+            raise RuntimeError(f"session {sid}: {len(calls)} engine calls, expected {s.turns}")
         appended = []
-        for (prev, _, prev_out), (ids, _, _) in itertools.pairwise(calls):
-            start = len(prev) + len(prev_out.output_ids)
-            if ids[:start] != [*prev, *prev_out.output_ids]:
+        for prev, nxt in itertools.pairwise(calls):
+            start = len(prev.input_ids) + len(prev.out.output_ids)
+            if nxt.input_ids[:start] != [*prev.input_ids, *prev.out.output_ids]:
                 raise RuntimeError("the session's next prompt does not extend its last turn's tokens")
-            appended.append(ids[start:])
-        plans.append(Plan(calls[0][0], appended, [p for _, p, _ in calls]))
+            appended.append(nxt.input_ids[start:])
+        plans.append(Plan(calls[0].input_ids, appended, [c.params for c in calls]))
     return plans
 
 
-def check_tokens(run: Run, plans: Sequence[Plan], max_tokens: int, side: str) -> None:
-    """Every side sends prompts of the planned lengths and gets exactly max_tokens per turn."""
-    if sorted(run.prompt_tokens) != sorted(p.prompt_lens(max_tokens) for p in plans):
+def check_tokens(run: Run, plans: Sequence[Plan], side: str) -> None:
+    """Every side sends prompts of the planned lengths and gets exactly the planned tokens per turn."""
+    if sorted(run.prompt_tokens) != sorted(p.prompt_lens() for p in plans):
         raise RuntimeError(f"{side}: prompt lengths differ from the session's")
-    if run.completion_tokens != run.turns * max_tokens:
-        raise RuntimeError(
-            f"{side}: {run.completion_tokens} tokens generated, expected {run.turns * max_tokens}"
-        )
+    expected = sum(p.completion_tokens for p in plans)
+    if run.completion_tokens != expected:
+        raise RuntimeError(f"{side}: {run.completion_tokens} tokens generated, expected {expected}")
 
 
 def _pct(xs: Sequence[float], q: float) -> float:
@@ -388,20 +394,26 @@ def ratios(side: dict[str, float], direct: dict[str, float]) -> dict[str, float]
     }
 
 
+def paired_ratio(side: Run, direct: Run) -> float:
+    """The median over turns of side latency ÷ direct latency of the same turn (same conversation, same
+    turn, same tokens): the per-turn overhead without the spread of reply lengths in it."""
+    return statistics.median(side.by_turn[key] / direct.by_turn[key] for key in direct.by_turn)
+
+
 def meets_target(r: Mapping[str, float]) -> bool:
     return r["latency"] <= TARGETS["latency_ratio_max"] and r["throughput"] >= TARGETS["throughput_ratio_min"]
 
 
-async def engine_cells(model: Path, tokenizer: Any, s: Setup) -> list[dict[str, Any]]:
+async def engine_cells(model: Path, tokenizer: Any, setups: Sequence[Setup]) -> list[list[dict[str, Any]]]:
+    """Every setup's cells, against one engine process (launched for the largest concurrency)."""
     cfg = config()
-    big = max(s.concurrency)
+    big = max(c for s in setups for c in s.concurrency)
     extra = [
         *("--max-running-requests", str(big), "--prefix-cache-entries", str(max(64, 2 * big))),
         *("--log-level", "WARNING"),
     ]
     server = agent_sessions(cfg, tokenizer)
     assert server is not None
-    cells = []
     async with (
         launch_local_engines(model, num_engines=1, extra_args=extra) as urls,
         EngineRouter.open(urls) as router,
@@ -410,53 +422,86 @@ async def engine_cells(model: Path, tokenizer: Any, s: Setup) -> list[dict[str, 
         aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=2 * big)) as aio,
     ):
         ctx = make_ctx(router, tokenizer, cfg, server)
-        kwargs = request_kwargs(s.max_tokens)
-        clients: dict[str, Callable[[str], Chat]] = {
-            "agent": lambda url: openai_chat(
-                openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, http_client=hx), kwargs
+        clients: dict[str, ChatFactory] = {
+            "agent": lambda url, n: openai_chat(
+                openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, http_client=hx),
+                request_kwargs(n),
             ),
-            "http": lambda url: http_chat(aio, url, s.max_tokens),
+            "http": lambda url, n: http_chat(aio, url, n),
         }
-        n_max = max(s.sessions(c) for c in s.concurrency)
-        plans = await record_plans(server, ctx, clients["agent"], n_max, s.turns)  # and the warm-up
+        out = []
+        for s in setups:
+            _print_header(s)
+            out.append(await _setup_cells(s, server, ctx, router, clients))
+        return out
 
-        async def measure(side: str, n: int, c: int, tag: str) -> Run:
-            if side == "direct":
-                return await direct_side(ctx, plans[:n], c, tag)
-            run, _ = await session_side(server, ctx, clients[side], n, c, s.turns)
-            return run
 
-        for c in s.concurrency:
-            n = s.sessions(c)
-            for side in SIDES:  # warm-up at this concurrency
-                await measure(side, n, c, "warm-")
-            rounds: list[dict[str, Any]] = []
-            for r in range(s.repeats):
-                got: dict[str, dict[str, float]] = {}
-                for side in SIDES[r % 3 :] + SIDES[: r % 3]:  # the order rotates
-                    await router.flush_cache()
-                    run = await measure(side, n, c, f"r{r}-")
-                    check_tokens(run, plans[:n], s.max_tokens, side)
-                    got[side] = summary(run)
-                rounds.append({**got, "ratios": {k: ratios(got[k], got["direct"]) for k in CLIENT_SIDES}})
-            cell: dict[str, Any] = {"concurrency": c, "sessions": n, "turns": n * s.turns}
-            for side in SIDES:
-                cell[side] = {
-                    k: statistics.median(rd[side][k] for rd in rounds)
-                    for k in ("p50_ms", "p99_ms", "turns_per_s")
-                }
-            cell["ratios"] = {
-                k: {
-                    m: statistics.median(rd["ratios"][k][m] for rd in rounds)
-                    for m in ("latency", "p99", "throughput")
-                }
+async def _setup_cells(
+    s: Setup,
+    server: SessionServer,
+    ctx: RolloutContext,
+    router: EngineRouter,
+    clients: dict[str, ChatFactory],
+) -> list[dict[str, Any]]:
+    n_max = max(s.sessions(c) for c in s.concurrency)
+    plans = await record_plans(server, ctx, clients["agent"], n_max, s)  # and the warm-up
+
+    async def measure(side: str, n: int, c: int, tag: str) -> Run:
+        if side == "direct":
+            return await direct_side(ctx, plans[:n], c, tag)
+        run, _ = await session_side(server, ctx, clients[side], n, c, s)
+        return run
+
+    cells = []
+    for c in s.concurrency:
+        n = s.sessions(c)
+        for side in SIDES:  # warm-up at this concurrency
+            await measure(side, n, c, "warm-")
+        rounds: list[dict[str, Any]] = []
+        for r in range(s.repeats):
+            got: dict[str, dict[str, float]] = {}
+            runs: dict[str, Run] = {}
+            for side in SIDES[r % 3 :] + SIDES[: r % 3]:  # the order rotates
+                await router.flush_cache()
+                runs[side] = run = await measure(side, n, c, f"r{r}-")
+                check_tokens(run, plans[:n], side)
+                got[side] = summary(run)
+            got_ratios = {
+                k: {**ratios(got[k], got["direct"]), "paired": paired_ratio(runs[k], runs["direct"])}
                 for k in CLIENT_SIDES
             }
-            cell["meets_target"] = {k: meets_target(cell["ratios"][k]) for k in CLIENT_SIDES}
-            cell["rounds"] = rounds
-            _print_cell(cell)
-            cells.append(cell)
+            rounds.append({**got, "ratios": got_ratios})
+        cell: dict[str, Any] = {
+            "concurrency": c,
+            "sessions": n,
+            "turns": n * s.turns,
+            "mean_reply_tokens": s.mean_reply_len(n),
+        }
+        for side in SIDES:
+            cell[side] = {
+                k: statistics.median(rd[side][k] for rd in rounds)
+                for k in ("p50_ms", "p99_ms", "turns_per_s")
+            }
+        cell["ratios"] = {
+            k: {
+                m: statistics.median(rd["ratios"][k][m] for rd in rounds)
+                for m in ("latency", "p99", "throughput", "paired")
+            }
+            for k in CLIENT_SIDES
+        }
+        cell["meets_target"] = {k: meets_target(cell["ratios"][k]) for k in CLIENT_SIDES}
+        cell["rounds"] = rounds
+        _print_cell(cell)
+        cells.append(cell)
     return cells
+
+
+def _print_header(s: Setup) -> None:
+    lo, hi = s.reply_tokens
+    size = f"{lo}" if lo == hi else f"{lo} to {hi}"
+    print(f"replies of {size} tokens, {s.turns} turns per conversation:")
+    print(f"{'C':>5} {'turns':>6} {'side':>13} | {'p50 ms':>8} {'p99 ms':>8} {'turns/s':>8} | "
+          f"{'p50 x':>8} {'p99 x':>8} {'tput x':>8} {'turn x':>8}", flush=True)  # fmt: skip
 
 
 LABELS: Final = {"agent": "openai agent", "http": "bare HTTP", "direct": "direct"}
@@ -466,7 +511,9 @@ def _print_cell(c: dict[str, Any]) -> None:
     for side in SIDES:
         d = c[side]
         r = c["ratios"].get(side)
-        tail = f"{r['latency']:>8.2f} {r['p99']:>8.2f} {r['throughput']:>8.2f}" if r else ""
+        tail = (
+            f"{r['latency']:>8.2f} {r['p99']:>8.2f} {r['throughput']:>8.2f} {r['paired']:>8.2f}" if r else ""
+        )
         print(
             f"{c['concurrency']:>5} {c['turns']:>6} {LABELS[side]:>13} | {d['p50_ms']:>8.2f} "
             f"{d['p99_ms']:>8.2f} {d['turns_per_s']:>8.0f} | {tail}",
@@ -515,20 +562,22 @@ class InstantEngine:
     async def update_weights_from_disk(self, model_path: str, *, version: int) -> None:
         pass
 
+    def weight_broadcast(self) -> None:
+        return None
+
     async def aclose(self) -> None:
         pass
 
 
 async def _child_job(job: Mapping[str, Any], hx: Any) -> dict[str, Any]:
-    c, turns, kwargs = job["concurrency"], job["turns"], job["kwargs"]
+    c, turns = job["concurrency"], job["turns"]
     limit, latencies = asyncio.Semaphore(c), list[float]()
 
     async def one(i: int, url: str) -> None:
         async with limit:
             client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, http_client=hx)
-            latencies.extend(
-                t[0] for t in await converse(openai_chat(client, kwargs), user_messages(i, turns))
-            )
+            chat = openai_chat(client, request_kwargs(job["reply_tokens"][i]))
+            latencies.extend(t[0] for t in await converse(chat, user_messages(i, turns)))
 
     cpu0, t0 = time.process_time(), time.perf_counter()
     async with asyncio.TaskGroup() as tg:
@@ -546,28 +595,32 @@ async def _agent_process_main() -> None:
             print(json.dumps(await _child_job(json.loads(line), hx)), flush=True)
 
 
-CANNED: Final = json.dumps(
-    {
-        "id": "chatcmpl-canned",
-        "object": "chat.completion",
-        "created": 0,
-        "model": "default",
-        "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": "abcdefgh"}, "finish_reason": "length"}
-        ],
-        "usage": {"prompt_tokens": 1, "completion_tokens": 8, "total_tokens": 9},
-    }
-).encode()
+def canned_completion(chars: int) -> bytes:
+    """The floor's answer: a completion whose content is `chars` characters (the endpoint's size)."""
+    content = ("abcdefgh" * (chars // 8 + 1))[:chars]
+    return json.dumps(
+        {
+            "id": "chatcmpl-canned",
+            "object": "chat.completion",
+            "created": 0,
+            "model": "default",
+            "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "length"}
+            ],
+            "usage": {"prompt_tokens": 1, "completion_tokens": chars, "total_tokens": chars + 1},
+        }
+    ).encode()
 
 
 @contextlib.asynccontextmanager
-async def canned_server() -> AsyncIterator[str]:
+async def canned_server(chars: int) -> AsyncIterator[str]:
     """The floor: a bare aiohttp handler on the same route that reads the JSON body and answers a canned
-    completion. Yields its root URL."""
+    completion (`chars` characters of content). Yields its root URL."""
+    canned = canned_completion(chars)
 
     async def chat(request: web.Request) -> web.StreamResponse:
         await request.json()
-        return web.Response(body=CANNED, content_type="application/json")
+        return web.Response(body=canned, content_type="application/json")
 
     app = web.Application()
     app.router.add_post("/sessions/{sid}/v1/chat/completions", chat)
@@ -596,7 +649,12 @@ async def cpu_cells(tokenizer: Any, s: Setup, profile: cProfile.Profile | None) 
 
     async def job(urls: list[str], c: int) -> tuple[dict[str, Any], float]:
         """The child holds a conversation at each URL, `c` at a time: its report, this process's CPU s."""
-        body = {"base_urls": urls, "concurrency": c, "turns": s.turns, "kwargs": request_kwargs(s.max_tokens)}
+        body = {
+            "base_urls": urls,
+            "concurrency": c,
+            "turns": s.turns,
+            "reply_tokens": [s.reply_len(i) for i in range(len(urls))],
+        }
         cpu0 = time.process_time()
         stdin.write((json.dumps(body) + "\n").encode())
         await stdin.drain()
@@ -622,7 +680,7 @@ async def cpu_cells(tokenizer: Any, s: Setup, profile: cProfile.Profile | None) 
 
     cells = []
     try:
-        async with server.running(), canned_server() as canned:
+        async with server.running(), canned_server(round(s.mean_reply_len(s.cpu_turns // s.turns))) as canned:
             for c in s.concurrency:
                 n = max(c, s.cpu_turns // s.turns)
                 turns = n * s.turns
@@ -648,7 +706,9 @@ async def cpu_cells(tokenizer: Any, s: Setup, profile: cProfile.Profile | None) 
                 cell["session_cpu_us_per_turn"] = (
                     cell["endpoint_cpu_us_per_turn"] - cell["floor_cpu_us_per_turn"]
                 )
-                cell["direct_cpu_us_per_turn"] = await _direct_cpu(ctx, s.max_tokens, max(1000, turns))
+                cell["direct_cpu_us_per_turn"] = await _direct_cpu(
+                    ctx, round(s.mean_reply_len(n)), max(1000, turns)
+                )
                 cells.append(cell)
                 _print_cpu(cell)
     finally:
@@ -679,6 +739,14 @@ async def _direct_cpu(ctx: RolloutContext, max_tokens: int, calls: int) -> float
 # ---- main ------------------------------------------------------------------------------------------------
 
 
+def _token_range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    bounds = (int(lo), int(hi or lo))
+    if not 0 < bounds[0] <= bounds[1]:
+        raise argparse.ArgumentTypeError(f"need 0 < LO <= HI, got {text!r}")
+    return bounds
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.agent_sessions", description=__doc__.split("\n\n")[0]
@@ -693,10 +761,19 @@ def build_parser() -> argparse.ArgumentParser:
     add("--waves", type=int, default=1, help="conversations per measurement: waves x C (default: 1) ...")
     add("--min-sessions", type=int, default=16, help="... and at least this many (default: 16)")
     add("--turns", type=int, default=3, help="user messages per conversation (default: 3)")
-    add("--max-tokens", type=int, default=8, help="tokens per reply, every side (default: 8)")
-    add("--repeats", type=int, default=5, help="interleaved rounds; ratios are their median (default: 5)")
+    add(
+        "--reply-tokens",
+        type=_token_range,
+        default=(128, 256),
+        metavar="LO:HI",
+        help="tokens per reply in the realistic case, spread over conversations (default: 128:256)",
+    )
+    add("--max-tokens", type=int, default=8, help="tokens per reply in the short case (default: 8)")
+    add("--no-short", action="store_true", help="skip the short (adversarial) case")
+    add("--repeats", type=int, default=3, help="interleaved rounds; ratios are their median (default: 3)")
     add("--cpu-turns", type=int, default=1500, help="turns per no-engine measurement (default: 1500)")
-    add("--hidden-size", type=int, default=64, help="the tiny model's hidden size (default: 64)")
+    add("--hidden-size", type=int, default=128, help="the model's hidden size (default: 128, the recipes')")
+    add("--layers", type=int, default=2, help="the model's layers (default: 2, the recipes')")
     add("--profile", type=Path, default=None, help="write a CPU-time cProfile of the no-engine endpoint here")
     add("--quick", action="store_true", help="a tiny configuration, for a smoke run of a few seconds")
     add("--agent-process", action="store_true", help=argparse.SUPPRESS)
@@ -711,22 +788,37 @@ def main() -> None:
     configure_logging("console", "WARNING")  # logs to stderr; stdout is the table
     if args.quick:
         setup = Setup(
-            concurrency=[1, 4], waves=2, min_sessions=4, turns=3, max_tokens=4, repeats=1, cpu_turns=60
+            concurrency=[1, 4],
+            waves=2,
+            min_sessions=4,
+            turns=3,
+            reply_tokens=(12, 24),
+            repeats=1,
+            cpu_turns=60,
         )
-        hidden = 32
+        short_tokens, hidden, layers = 4, 32, 1
     else:
         setup = Setup(
             concurrency=[int(x) for x in args.concurrency.split(",")],
             waves=args.waves,
             min_sessions=args.min_sessions,
             turns=args.turns,
-            max_tokens=args.max_tokens,
+            reply_tokens=args.reply_tokens,
             repeats=args.repeats,
             cpu_turns=args.cpu_turns,
         )
-        hidden = args.hidden_size
+        short_tokens, hidden, layers = args.max_tokens, args.hidden_size, args.layers
+    short = (
+        None
+        if args.no_short
+        else dataclasses.replace(
+            setup,
+            reply_tokens=(short_tokens, short_tokens),
+        )
+    )
     profile = cProfile.Profile(time.process_time) if args.profile else None
-    model_name = f"tiny random-init Llama with role tokens (hidden {hidden}, 1 layer)"
+    size = "the recipes' size" if (hidden, layers) == (128, 2) else "smaller than the recipes'"
+    model_name = f"random-init Llama with role tokens (hidden {hidden}, {layers} layer(s): {size})"
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_llama(
@@ -734,17 +826,14 @@ def main() -> None:
             alphabet=ALPHABET,
             chat_tokens=True,
             hidden_size=hidden,
-            num_layers=1,
-            num_heads=2,
-            num_kv_heads=1,
-            max_position_embeddings=512,
+            num_layers=layers,
+            max_position_embeddings=2048,
         )
         tokenizer = load_tokenizer(model)
-        print(f"session endpoint vs direct generate: {model_name}; {setup.turns} turns x {setup.max_tokens} "
-              f"tokens, {os.cpu_count()} CPUs")  # fmt: skip
-        print(f"{'C':>5} {'turns':>6} {'side':>13} | {'p50 ms':>8} {'p99 ms':>8} {'turns/s':>8} | "
-              f"{'p50 x':>8} {'p99 x':>8} {'tput x':>8}")  # fmt: skip
-        cells = asyncio.run(engine_cells(model, tokenizer, setup))
+        print(f"session endpoint vs direct generate: {model_name}; {os.cpu_count()} CPUs", flush=True)
+        cells, *rest = asyncio.run(
+            engine_cells(model, tokenizer, [setup] if short is None else [setup, short])
+        )
         print("without the engine (an instant fake at the seam; the agents in a child process), "
               "µs CPU per turn:")  # fmt: skip
         print(f"{'C':>5} | {'endpoint':>8} {'turns/s':>8} | {'floor':>8} {'turns/s':>8} | {'session':>8} | "
@@ -757,12 +846,13 @@ def main() -> None:
         "benchmark": "agent_sessions",
         "model": model_name,
         "turns": setup.turns,
-        "max_tokens": setup.max_tokens,
+        "reply_tokens": list(setup.reply_tokens),
         "repeats": setup.repeats,
         "waves": setup.waves,
         "targets": TARGETS,
         "quick": args.quick,
         "elapsed_s": elapsed,
+        "load_avg": _load_avg(),
         "machine": {
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
@@ -771,11 +861,20 @@ def main() -> None:
             "aiohttp": aiohttp.__version__,
         },
         "cells": cells,
+        "short": None if short is None else {"max_tokens": short_tokens, "cells": rest[0]},
         "no_engine": no_engine,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{elapsed:.0f} s; wrote {args.output}")
+
+
+def _load_avg() -> list[float] | None:
+    """The 1/5/15-minute load averages at the end (the machine is shared: other work shows here)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 if __name__ == "__main__":

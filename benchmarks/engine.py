@@ -202,7 +202,7 @@ def load_hf(model_path: Path) -> tuple[Any, int, int]:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # transformers ships untyped
+    hf_logging.disable_progress_bar()
     model: Any = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     model.eval()
     pad = model.generation_config.pad_token_id

@@ -1,25 +1,22 @@
 """Fixtures for the agent-session tests: a tiny chat model (role tokens, a chat template), its tokenizer,
-and helpers that open a session server on a rollout context over any engine."""
+and helpers that open a session server on a rollout context over any engine (the tests record what the
+engine consumed and produced with `miles_aio.testing.recording.RecordingEngine`)."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Hashable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
 import structlog
 
 from miles_aio.config import RunConfig
-from miles_aio.inference.base import InferenceEngine, PauseMode
 from miles_aio.models.tiny import load_tokenizer
 from miles_aio.rollout.agent import agent_sessions
 from miles_aio.rollout.agent.server import SessionServer
 from miles_aio.rollout.context import LimitedEngine, RolloutContext
 from miles_aio.rollout.limiter import Limiter
-from miles_aio.types import GenerateOutput
 from tests.engine.helpers import EngineProcess, ModelPair, model_pair
 
 # Every character the tests' messages and tool calls use (the tokenizer drops the others).
@@ -53,52 +50,6 @@ def engine_proc(chat_models: ModelPair, tmp_path_factory: pytest.TempPathFactory
     )  # fmt: skip
     yield proc
     assert proc.stop() == 0, proc.stderr()
-
-
-@dataclass(frozen=True)
-class Call:
-    input_ids: list[int]
-    params: dict[str, Any]
-    routing_key: Hashable | None
-    out: GenerateOutput
-
-
-class RecordingEngine(InferenceEngine):
-    """Passes every call to `inner` and records what went in and came out (the engine's own tokens)."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.calls: list[Call] = []
-        self.call_started = asyncio.Event()
-        """Set whenever a call starts (a test clears it, then waits for its own call)."""
-
-    async def generate(
-        self, *, input_ids: list[int], sampling_params: Mapping[str, Any], routing_key: Hashable | None = None
-    ) -> GenerateOutput:
-        self.call_started.set()
-        out: GenerateOutput = await self.inner.generate(
-            input_ids=list(input_ids), sampling_params=sampling_params, routing_key=routing_key
-        )
-        self.calls.append(Call(list(input_ids), dict(sampling_params), routing_key, out))
-        return out
-
-    async def pause_generation(self, mode: PauseMode) -> None:
-        await self.inner.pause_generation(mode)
-
-    async def continue_generation(self) -> None:
-        await self.inner.continue_generation()
-
-    async def flush_cache(self) -> None:
-        await self.inner.flush_cache()
-
-    async def update_weight_version(self, version: int) -> None:
-        await self.inner.update_weight_version(version)
-
-    async def update_weights_from_disk(self, model_path: str, *, version: int) -> None:
-        await self.inner.update_weights_from_disk(model_path, version=version)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 @contextlib.asynccontextmanager

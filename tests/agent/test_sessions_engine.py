@@ -16,15 +16,17 @@ import openai
 import pytest
 
 from miles_aio.controller import Controller
+from miles_aio.inference.base import GenerateChunk
 from miles_aio.inference.client import SGLangClient
 from miles_aio.plugins import resolve_plugins
 from miles_aio.rollout.agent import generate
 from miles_aio.rollout.agent.session import trajectory_sample
 from miles_aio.rollout.pool import RolloutPool
 from miles_aio.testing import FakeTrainer
-from miles_aio.types import Sample, Status
+from miles_aio.testing.recording import RecordedCall, RecordingEngine
+from miles_aio.types import GenerateOutput, Sample, Status
 from tests.agent import agents
-from tests.agent.conftest import Call, RecordingEngine, serving
+from tests.agent.conftest import serving
 from tests.engine.helpers import EngineProcess, ModelPair
 from tests.helpers import length_reward, make_config, make_source
 
@@ -36,7 +38,7 @@ def config(**kw: Any) -> Any:
     return make_config(rollout_max_response_len=12, rollout_temperature=1.0, **kw)
 
 
-def assert_engine_tokens(sample: Sample, calls: list[Call]) -> None:
+def assert_engine_tokens(sample: Sample, calls: list[RecordedCall]) -> None:
     """The sample is exactly the engine's tokens: each call's input is a prefix of it, its output follows
     at loss mask 1 with the engine's log-probs and versions; nothing else is trained."""
     p = sample.prompt_length
@@ -54,14 +56,16 @@ def assert_engine_tokens(sample: Sample, calls: list[Call]) -> None:
 
 
 @contextlib.asynccontextmanager
-async def engine_client(proc: EngineProcess) -> AsyncIterator[tuple[SGLangClient, RecordingEngine]]:
-    async with SGLangClient(proc.url) as client:
+async def engine_client(
+    proc: EngineProcess, *, partial_rollout: bool = False
+) -> AsyncIterator[tuple[SGLangClient, RecordingEngine]]:
+    async with SGLangClient(proc.url, partial_rollout=partial_rollout) as client:
         await client.update_weight_version(1)
         yield client, RecordingEngine(client)
 
 
-def by_session(calls: list[Call]) -> dict[Any, list[Call]]:
-    out: dict[Any, list[Call]] = {}
+def by_session(calls: list[RecordedCall]) -> dict[Any, list[RecordedCall]]:
+    out: dict[Any, list[RecordedCall]] = {}
     for c in calls:
         out.setdefault(c.routing_key, []).append(c)
     return out
@@ -70,7 +74,7 @@ def by_session(calls: list[Call]) -> dict[Any, list[Call]]:
 def test_multi_turn_with_tools_streamed_and_not(engine_proc: EngineProcess, tokenizer: Any) -> None:
     cfg = config(n_samples_per_prompt=2)
 
-    async def main() -> tuple[list[Sample], list[Call]]:
+    async def main() -> tuple[list[Sample], list[RecordedCall]]:
         async with (
             engine_client(engine_proc) as (_, engine),
             serving(cfg, engine, tokenizer) as (ctx, server),
@@ -120,16 +124,21 @@ async def push(client: SGLangClient, mode: str, path: Any, version: int) -> None
     await client.continue_generation()
 
 
-@pytest.mark.parametrize("mode", ["retract", "in_place"])
+@pytest.mark.parametrize(
+    ("mode", "stream"), [("retract", False), ("in_place", False), ("abort", False), ("abort", True)]
+)
 def test_weight_pushes_in_the_middle_of_a_conversation(
-    engine_proc: EngineProcess, tokenizer: Any, chat_models: ModelPair, mode: str
+    engine_proc: EngineProcess, tokenizer: Any, chat_models: ModelPair, mode: str, stream: bool
 ) -> None:
     """Turn 1 under version 1, a push, turn 2 under version 2, and a push while turn 3 generates: its
-    tokens carry 2 then 3. The sample keeps every token's version."""
+    tokens carry 2 then 3. The sample keeps every token's version. Under `abort` (with partial rollout:
+    `--pause-generation-mode abort --partial-rollout`) the push aborts turn 3 on the engine; the client
+    resubmits prompt + partial output once the push is over, and the agent still gets one complete reply
+    (streamed: the tokens before the push reach it before the push)."""
 
-    async def main() -> tuple[Sample, list[Call]]:
+    async def main() -> tuple[Sample, list[RecordedCall], int, list[str], int]:
         async with (
-            engine_client(engine_proc) as (client, engine),
+            engine_client(engine_proc, partial_rollout=mode == "abort") as (client, engine),
             serving(config(), engine, tokenizer) as (ctx, server),
             httpx.AsyncClient(base_url=engine_proc.url) as admin,
         ):
@@ -145,19 +154,37 @@ def test_weight_pushes_in_the_middle_of_a_conversation(
                 # turn 3: long and slowed down, so the push lands while it generates
                 await admin.post("/slow_down", json={"forward_sleep_time": 0.03})
                 engine.call_started.clear()
-                turn = asyncio.create_task(
-                    c.chat.completions.create(
-                        model="m",
-                        messages=msgs,
-                        max_tokens=40,
-                        extra_body={"ignore_eos": True},  # type: ignore[arg-type]
-                    )
-                )
+                deltas: list[str] = []
+                before_push = asyncio.Event()
+                kw: dict[str, Any] = {"max_tokens": 40, "extra_body": {"ignore_eos": True}, "logprobs": True}
+
+                async def turn3() -> Any:
+                    if not stream:
+                        return await c.chat.completions.create(model="m", messages=msgs, **kw)  # type: ignore[call-overload]
+                    events = await c.chat.completions.create(model="m", messages=msgs, stream=True, **kw)  # type: ignore[call-overload]
+                    finish = None
+                    async for e in events:
+                        for ch in e.choices:
+                            deltas.extend(
+                                lp.token for lp in (ch.logprobs.content if ch.logprobs else None) or []
+                            )
+                            finish = ch.finish_reason or finish
+                        if len(deltas) >= 5:
+                            before_push.set()
+                    return finish
+
+                task = asyncio.create_task(turn3())
                 await engine.call_started.wait()  # turn 3 reached the engine
-                await asyncio.sleep(0.4)
+                if stream:
+                    await before_push.wait()  # the agent has tokens: the stream is under way
+                    streamed_before_push = len(deltas)
+                else:
+                    await asyncio.sleep(0.4)
+                    streamed_before_push = 0
                 await admin.post("/slow_down", json={"forward_sleep_time": None})
                 await push(client, mode, chat_models.m2, 3)
-                await turn
+                reply = await task
+                assert (reply if stream else reply.choices[0].finish_reason) == "length"
                 await c.close()
                 sample = trajectory_sample(
                     Sample(group_index=0, index=0, prompt="hello"),
@@ -168,22 +195,130 @@ def test_weight_pushes_in_the_middle_of_a_conversation(
                     skip_special_tokens=False,
                 )
             await push(client, "retract", chat_models.m1, 4)  # back to m1 for the other tests
-            return sample, engine.calls
+            return sample, engine.calls, client.continuations, deltas, streamed_before_push
 
-    sample, calls = asyncio.run(main())
+    sample, calls, continuations, deltas, streamed_before_push = asyncio.run(main())
     assert_engine_tokens(sample, calls)
+    assert len(calls) == 3  # one engine call per turn, whatever the push did to it
     v1, v2, v3 = (c.out.weight_versions for c in calls)
     assert set(v1) == {1} and set(v2) == {2}
     k = v3.index(3)  # turn 3: generated under 2, then, after the push, under 3
     assert 0 < k < 40 and v3 == [2] * k + [3] * (40 - k)
     assert [v for v in sample.weight_versions if v is not None] == v1 + v2 + v3
+    assert continuations == (1 if mode == "abort" else 0)
+    if mode == "abort":
+        assert calls[2].out.meta["partial_rollout_segments"] == 2
+    if stream:  # a token per chunk, all of them, and those before the push arrived before it
+        assert deltas == [tokenizer.decode([t]) for t in calls[2].out.output_ids]
+        assert calls[2].chunks is not None and len(calls[2].chunks) == 40
+        assert 5 <= streamed_before_push <= k
+
+
+def test_the_client_streams_what_it_would_return_whole(engine_proc: EngineProcess) -> None:
+    """SGLang's streaming /generate through the client: a chunk per token as the engine produces them,
+    and the same GenerateOutput as the non-streamed call (same seed), token, log-prob and version."""
+    params = {"max_new_tokens": 64, "temperature": 1.0, "sampling_seed": 5, "ignore_eos": True}
+
+    async def main() -> tuple[GenerateOutput, GenerateOutput, list[GenerateChunk]]:
+        async with SGLangClient(engine_proc.url) as client:
+            await client.update_weight_version(1)
+            chunks: list[GenerateChunk] = []
+
+            async def sink(chunk: GenerateChunk) -> None:
+                chunks.append(chunk)
+
+            await client.flush_cache()
+            streamed = await client.generate_stream(
+                input_ids=[3, 4, 5, 6], sampling_params=params, on_chunk=sink, routing_key="k"
+            )
+            await client.flush_cache()
+            whole = await client.generate(input_ids=[3, 4, 5, 6], sampling_params=params, routing_key="k")
+            return streamed, whole, chunks
+
+    streamed, whole, chunks = asyncio.run(main())
+    assert len(chunks) > 1 and len(streamed.output_ids) == 64
+    assert [t for c in chunks for t in c.output_ids] == streamed.output_ids == whole.output_ids
+    assert [lp for c in chunks for lp in c.output_log_probs] == streamed.output_log_probs
+    assert streamed.output_log_probs == whole.output_log_probs
+    assert [v for c in chunks for v in c.weight_versions] == streamed.weight_versions == whole.weight_versions
+    assert (streamed.text, streamed.finish_reason, streamed.prompt_tokens) == (
+        whole.text,
+        whole.finish_reason,
+        whole.prompt_tokens,
+    )
+
+
+def test_a_streamed_reply_reaches_the_agent_while_the_engine_generates(
+    engine_proc: EngineProcess, tokenizer: Any
+) -> None:
+    """A 64-token reply streamed to the official client. The engine's stream is held after its first
+    chunk until the agent has a delta of it: the agent got tokens while the generation was unfinished (its
+    engine call had not returned). Many content chunks arrive, and the reply is the non-streamed one
+    (same seed), token for token, log-prob for log-prob."""
+
+    async def main() -> dict[bool, Any]:
+        seen = asyncio.Event()
+        held: list[int] = []
+
+        async def hold(chunk: GenerateChunk) -> None:
+            if not held:
+                held.append(len(chunk.output_ids))
+                async with asyncio.timeout(30):  # the agent must see this chunk while it is held here
+                    await seen.wait()
+
+        async with SGLangClient(engine_proc.url) as client:
+            await client.update_weight_version(1)
+            engine = RecordingEngine(client, on_stream_chunk=hold)
+            out: dict[bool, Any] = {}
+            async with serving(config(), engine, tokenizer) as (ctx, server):
+                for stream in (True, False):
+                    await client.flush_cache()
+                    async with server.session(ctx, {"max_new_tokens": 64, "temperature": 1.0}) as session:
+                        c = openai.AsyncOpenAI(base_url=session.base_url, api_key="x", max_retries=0)
+                        kw: dict[str, Any] = {
+                            "model": "m",
+                            "messages": [{"role": "user", "content": "hello"}],
+                            "max_tokens": 64,
+                            "seed": 7,
+                            "logprobs": True,
+                            "extra_body": {"ignore_eos": True},
+                        }
+                        got: dict[str, Any] = {"content": [], "logprobs": [], "calls_at_first_token": None}
+                        if stream:
+                            events = await c.chat.completions.create(stream=True, **kw)
+                            async for e in events:
+                                for ch in e.choices:
+                                    if ch.logprobs and ch.logprobs.content:
+                                        if got["calls_at_first_token"] is None:
+                                            got["calls_at_first_token"] = len(engine.calls)
+                                            seen.set()
+                                        got["logprobs"] += [lp.logprob for lp in ch.logprobs.content]
+                                    if ch.delta.content:
+                                        got["content"].append(ch.delta.content)
+                        else:
+                            r = await c.chat.completions.create(**kw)
+                            got["content"] = [r.choices[0].message.content]
+                            got["logprobs"] = [lp.logprob for lp in r.choices[0].logprobs.content]  # type: ignore[union-attr]
+                        await c.close()
+                        got["tokens"] = session.turns[0].tokens
+                        out[stream] = got
+            out[True]["chunks"] = engine.calls[0].chunks
+            return out
+
+    out = asyncio.run(main())
+    streamed, whole = out[True], out[False]
+    assert streamed["calls_at_first_token"] == 0  # the engine call was still running (held at chunk 1)
+    assert len(streamed["chunks"]) == 64 and len(streamed["content"]) > 1
+    assert streamed["tokens"] == whole["tokens"]  # the same turn: prompt, output ids, log-probs, versions
+    assert "".join(streamed["content"]) == "".join(whole["content"])
+    assert streamed["logprobs"] == whole["logprobs"] == list(whole["tokens"].log_probs)
 
 
 def test_64_concurrent_sessions(engine_proc: EngineProcess, tokenizer: Any) -> None:
     n = 64
     cfg = config(custom_agent_function_path="tests.agent.agents:barrier_agent", n_samples_per_prompt=4)
 
-    async def main() -> tuple[list[Sample], list[Call], int]:
+    async def main() -> tuple[list[Sample], list[RecordedCall], int]:
         agents.BARRIER = asyncio.Barrier(n)  # every agent waits for all others after its first reply
         async with (
             engine_client(engine_proc) as (_, engine),

@@ -10,13 +10,13 @@ import pytest
 
 from miles_aio.buffer import BufferItem, DataBufferContext, DefaultDataBuffer, FilterDecision
 from miles_aio.errors import BufferClosed
-from miles_aio.types import GenerateOutput, Group, Sample
+from miles_aio.types import FinishReason, GenerateOutput, Group, Sample
 from tests.helpers import make_config
 
 pytestmark = pytest.mark.timeout(20)
 
 
-def item(gid: int, versions: list[int | None], finish: str = "stop") -> BufferItem:
+def item(gid: int, versions: list[int | None], finish: FinishReason = "stop") -> BufferItem:
     group: Group = []
     for k, v in enumerate(versions):
         s = Sample(group_index=gid, index=gid * 10 + k, prompt="p")
@@ -24,7 +24,7 @@ def item(gid: int, versions: list[int | None], finish: str = "stop") -> BufferIt
             GenerateOutput(
                 text="a", output_ids=[1], output_log_probs=[0.0], weight_versions=[v], finish_reason=finish
             )
-        )  # type: ignore[arg-type]
+        )
         group.append(s)
     return BufferItem(group=group, prompt_group=[Sample(group_index=gid, index=gid * 10, prompt="p")])
 

@@ -340,8 +340,8 @@ class StalenessRecordingBuffer(DefaultDataBuffer):
 
     taken: ClassVar[dict[int, int]] = {}
 
-    async def get(self, *, current_version: int | None) -> BufferItem:
-        item = await super().get(current_version=current_version)
+    async def get(self, *, current_version: int | None = None, **context: Any) -> BufferItem:
+        item = await super().get(current_version=current_version, **context)
         staleness = group_staleness(item.group, current_version)
         if staleness is not None:
             StalenessRecordingBuffer.taken[item.group_index] = staleness

@@ -78,7 +78,8 @@ def test_every_task_is_named_and_adaptive_concurrency_runs_only_with_auto(
     vrun: Any, tmp_path: Path, auto: bool
 ) -> None:
     trainer = TaskNames()
-    ctl = controller(tmp_path, trainer, **({"async_max_concurrent_samples": "auto"} if auto else {}))
+    cfg: dict[str, Any] = {"async_max_concurrent_samples": "auto"} if auto else {}
+    ctl = controller(tmp_path, trainer, **cfg)
     assert isinstance(ctl.adaptive, AdaptiveConcurrency) if auto else ctl.adaptive is None
 
     async def main() -> str:

@@ -211,7 +211,7 @@ def test_a_crashing_filter_rejects_as_filter_crashed_unless_the_policy_is_fail()
     group = prompt_group()  # group index 4: keeps
     crash = [Sample(group_index=3, index=6, prompt="p")]
     for policy in ("drop", "retry"):
-        decide = normalize_filter(crashing_filter, None, failure_policy=policy)  # type: ignore[arg-type]
+        decide = normalize_filter(crashing_filter, None, failure_policy=policy)
         assert decide is not None
         assert decide(group).keep
         with structlog.testing.capture_logs() as logs:
@@ -302,8 +302,9 @@ class MyError(Exception):
 async def my_error_generate(ctx: RolloutContext, sample: Sample, params: dict[str, Any]) -> Any:
     """Fine for the first groups, then raises the user's own exception (while handling another one)."""
     if sample.group_index >= 5:
+        known: dict[int, str] = {}
         try:
-            {}[sample.group_index]
+            known[sample.group_index]
         except KeyError:
             raise MyError(f"my generate gave up on group {sample.group_index}")  # noqa: B904
     return await single_turn_generate(ctx, sample, params)

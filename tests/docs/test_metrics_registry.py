@@ -114,11 +114,14 @@ def test_loss_keys_are_registered_as_train_metrics() -> None:
                 and target.id in ("sums", "maxes")
                 and isinstance(n.value, ast.Dict)
             ):
-                keys |= {k.value for k in n.value.keys if isinstance(k, ast.Constant)}
+                keys |= {
+                    k.value for k in n.value.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)
+                }
             if (
                 isinstance(target, ast.Subscript)
                 and getattr(target.value, "id", None) in ("sums", "maxes")
                 and isinstance(target.slice, ast.Constant)
+                and isinstance(target.slice.value, str)
             ):
                 keys.add(target.slice.value)
     assert {"loss", "tokens", "tis_weight", "entropy"} <= keys

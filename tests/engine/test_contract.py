@@ -284,6 +284,7 @@ def test_stop_strings_see_special_tokens(tmp_path: Path) -> None:
     model = build_tiny_llama(tmp_path / "m", alphabet="ab", hidden_size=16, num_heads=2, num_kv_heads=1)
     tok = Tokenizer.from_file(str(model / "tokenizer.json"))
     eos = tok.token_to_id("</s>")
+    assert eos is not None
     assert stop_match_text(tok, [3, eos]).endswith("</s>")
     assert "</s>" not in tok.decode([3, eos], skip_special_tokens=True)  # what the old matching saw
     assert stop_match_text(None, [3, eos]) == ""

@@ -93,6 +93,17 @@ def _ids(vocab: Tokenizer, tokens: list[str]) -> list[int]:
     return [i for i in ids if i is not None]
 
 
+def _template_ids(chat_model: Path, tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """transformers' own rendering and encoding of MESSAGES (with `tools`) through the model's template."""
+    from transformers import BatchEncoding
+
+    encoded = load_tokenizer(chat_model).apply_chat_template(
+        MESSAGES, tools=None if tools is None else [*tools], add_generation_prompt=True, return_dict=True
+    )
+    assert isinstance(encoded, BatchEncoding)
+    return list(encoded["input_ids"])
+
+
 def _greedy_chat(oai: openai.OpenAI, **kw: Any) -> Any:
     args: dict[str, Any] = {"model": "tiny", "messages": MESSAGES, "temperature": 0, "max_tokens": 24}
     return oai.chat.completions.create(**(args | kw))
@@ -142,11 +153,7 @@ def test_chat_prompt_is_transformers_rendering_and_logprobs_are_native(
 ) -> None:
     # The prompt the engine renders and encodes is exactly transformers' apply_chat_template ids: the
     # greedy reply and every chosen-token logprob equal the native /generate's on those ids.
-    hf_ids = list(
-        load_tokenizer(chat_model).apply_chat_template(MESSAGES, tools=TOOLS, add_generation_prompt=True)[
-            "input_ids"
-        ]
-    )
+    hf_ids = _template_ids(chat_model, tools=TOOLS)
     assert len(hf_ids) > 700
     special = {
         vocab.token_to_id(t)
@@ -181,10 +188,7 @@ def test_chat_prompt_is_transformers_rendering_and_logprobs_are_native(
 
 
 def test_tools_reach_the_template(oai: openai.OpenAI, chat_model: Path) -> None:
-    hf = load_tokenizer(chat_model)
-    tool_block = len(
-        hf.apply_chat_template(MESSAGES, tools=TOOLS, add_generation_prompt=True)["input_ids"]
-    ) - len(hf.apply_chat_template(MESSAGES, add_generation_prompt=True)["input_ids"])
+    tool_block = len(_template_ids(chat_model, tools=TOOLS)) - len(_template_ids(chat_model))
     assert tool_block > 20
     plain = _greedy_chat(oai, max_tokens=1).usage
     with_tools = _greedy_chat(oai, max_tokens=1, tools=TOOLS).usage
@@ -299,7 +303,7 @@ def test_completion_stream_and_logprobs(oai: openai.OpenAI) -> None:
     chunks = list(oai.completions.create(**args, stream=True, stream_options={"include_usage": True}))
     *body, usage_chunk = chunks
     assert "".join(c.choices[0].text for c in body) == full.choices[0].text
-    assert [t for c in body for t in (c.choices[0].logprobs.tokens or [])] == lp.tokens  # type: ignore[union-attr]
+    assert [t for c in body for t in (c.choices[0].logprobs.tokens or [])] == lp.tokens
     assert body[-1].choices[0].finish_reason == "length"
     assert usage_chunk.usage is not None
     assert usage_chunk.usage.completion_tokens == 20
@@ -391,7 +395,7 @@ def test_errors_arrive_as_openai_exceptions(oai: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match="longer than the model's context length"):
         oai.completions.create(model="tiny", prompt="a" * (CONTEXT + 10), max_tokens=1)
     with pytest.raises(openai.BadRequestError, match="Requested token count exceeds"):
-        oai.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=CONTEXT - 10)
+        _greedy_chat(oai, max_tokens=CONTEXT - 10)
     with pytest.raises(openai.BadRequestError) as wrong_type:
         _greedy_chat(oai, temperature="hot")
     assert isinstance(wrong_type.value.body, dict)
@@ -411,7 +415,9 @@ def test_stream_disconnect_aborts_the_request(oai: openai.OpenAI, chat_engine: E
     with httpx.Client(base_url=chat_engine.url, timeout=10) as http:
         http.post("/slow_down", json={"forward_sleep_time": 0.05})
         try:
-            stream = _greedy_chat(oai, max_tokens=1000, stream=True, extra_body={"ignore_eos": True})
+            # special tokens shown: every generated token is a chunk, whichever the random model repeats
+            extra = {"ignore_eos": True, "skip_special_tokens": False}
+            stream = _greedy_chat(oai, max_tokens=1000, stream=True, extra_body=extra)
             seen = []
             for chunk in stream:
                 seen.append(chunk)

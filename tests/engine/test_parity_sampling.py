@@ -162,19 +162,20 @@ def test_penalties_discourage_repeating_output_tokens(
     output tokens less than plain greedy, which loops on a random tiny model."""
     prompt = prompt_ids(server, api_types, 150, seed=25)
     n = 40
+    penalty_kw: dict[str, Any] = {penalty: value}  # one of reference_greedy's float penalties
     plain = post_generate(
         server, api_types, _body(prompt, max_new_tokens=n, temperature=0.0, ignore_eos=True)
     )
     data = post_generate(
         server,
         api_types,
-        _body(prompt, max_new_tokens=n, temperature=0.0, ignore_eos=True, **{penalty: value}),
+        _body(prompt, max_new_tokens=n, temperature=0.0, ignore_eos=True, **penalty_kw),
     )
     assert len(data["output_ids"]) == n
     assert len(set(data["output_ids"])) > len(set(plain["output_ids"]))
     if parity_server.local_base is not None:
         assert data["output_ids"] == reference_greedy(
-            parity_server.local_base, prompt, n, ignore_eos=True, **{penalty: value}
+            parity_server.local_base, prompt, n, ignore_eos=True, **penalty_kw
         )
         if penalty != "repetition_penalty":  # logits of this model span < 2: no token can repeat
             assert len(set(data["output_ids"])) == n

@@ -10,6 +10,7 @@ import asyncio
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,7 +43,7 @@ class CharTokenizer:
 class FakeHFExportTrainer(FakeTrainer):
     """A FAKE trainer whose `export_hf` copies a prebuilt tiny model (seed alternating per export)."""
 
-    def __init__(self, models: list[Path], **kw: float) -> None:
+    def __init__(self, models: list[Path], **kw: Any) -> None:
         super().__init__(**kw)
         self.models = models
         self.exports: list[Path] = []

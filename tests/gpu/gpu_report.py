@@ -24,7 +24,7 @@ import torch
 
 from miles_aio.models.tiny import build_tiny_llama
 from miles_aio.trainer.actor import TrainerActor
-from miles_aio.trainer.config import TrainConfig
+from miles_aio.trainer.config import TrainBackend, TrainConfig
 from miles_aio.types import Group, Sample, Status
 
 ALPHABET = "0123456789+=abcdefghijklmnopqrstuvwxyz"
@@ -38,11 +38,11 @@ def batch(seed: int, groups: int = 8, n: int = 8, prompt: int = 64, response: in
         group: Group = []
         for k in range(n):
             tokens = [rng.randrange(3, vocab) for _ in range(prompt + response)]
-            ones = [1] * response
             group.append(
                 Sample(group_index=g, index=g * n + k, prompt="", tokens=tokens, response_length=response,
-                       loss_mask=ones, rollout_log_probs=[-3.0] * response, weight_versions=ones,
-                       reward=float(rng.random() < 0.5), status=Status.COMPLETED)
+                       loss_mask=[1] * response, rollout_log_probs=[-3.0] * response,
+                       weight_versions=[1] * response, reward=float(rng.random() < 0.5),
+                       status=Status.COMPLETED)
             )  # fmt: skip
         out.append(group)
     return out
@@ -89,7 +89,7 @@ def main() -> None:
             for p in __import__("safetensors.torch").torch.load_file(model / "model.safetensors").values()
         )
         rows: list[dict[str, Any]] = []
-        runs: list[tuple[str, dict[str, Any]]] = [("fsdp", {}), ("megatron", {})]
+        runs: list[tuple[TrainBackend, dict[str, Any]]] = [("fsdp", {}), ("megatron", {})]
         if torch.cuda.device_count() >= 2:  # one GPU per pipeline stage
             runs.append(("megatron", {"pipeline_model_parallel_size": 2, "actor_num_gpus_per_node": 2}))
         else:

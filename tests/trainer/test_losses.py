@@ -243,7 +243,7 @@ def test_mask_offpolicy_keeps_only_the_newest_versions_tokens() -> None:
     spanning, whole = batch[0]
     r = spanning.response_length
     assert r > 1
-    spanning.weight_versions = [3] * (r - 1) + [4]  # one push landed before its last token
+    spanning.weight_versions = [*([3] * (r - 1)), 4]  # one push landed before its last token
     spanning.loss_mask = [1] * r
     whole.weight_versions = [4] * whole.response_length
     assert losses.newest_version_mask(spanning) == [0] * (r - 1) + [1]

@@ -22,12 +22,17 @@ LN = math.log
 
 
 def _loss(
-    settings: LossSettings, logp: torch.Tensor, adv: torch.Tensor, **kw: torch.Tensor
+    settings: LossSettings, logp: torch.Tensor, adv: torch.Tensor, *, ref_logp: torch.Tensor | None = None
 ) -> losses.LossOutput:
-    mask = kw.pop("mask", torch.ones_like(logp))
-    old = kw.pop("old", torch.zeros_like(logp))
+    old = torch.zeros_like(logp)
     return losses.policy_loss(
-        logp=logp, mask=mask, advantages=adv, old_logp=old, rollout_logp=old.clone(), settings=settings, **kw
+        logp=logp,
+        mask=torch.ones_like(logp),
+        advantages=adv,
+        old_logp=old,
+        rollout_logp=old.clone(),
+        settings=settings,
+        ref_logp=ref_logp,
     )
 
 

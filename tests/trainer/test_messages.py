@@ -14,7 +14,7 @@ import torch
 
 import miles_aio.trainer
 from miles_aio.errors import ConfigError
-from miles_aio.inference.base import SingleServerBroadcast
+from miles_aio.inference.base import SingleServerBroadcast, WeightBroadcast
 from miles_aio.testing import FakeLatencyEngine
 from miles_aio.trainer import protocol
 from miles_aio.trainer.actor import TrainerActor
@@ -154,7 +154,9 @@ def test_single_server_broadcast_forwards_to_its_server() -> None:
 
 
 class _DiskOnly(FakeLatencyEngine):
-    def weight_broadcast(self) -> None:
+    # An engine with no broadcast side, as `InferenceEngine.weight_broadcast` allows; the fake it builds on
+    # narrows the return type to always having one.
+    def weight_broadcast(self) -> WeightBroadcast | None:  # type: ignore[override]
         return None
 
 

@@ -61,7 +61,7 @@ def _imports(body: list[ast.stmt]) -> Iterator[ast.Import | ast.ImportFrom]:
             for child in ast.iter_child_nodes(node):
                 if isinstance(child, ast.stmt):
                     yield from _imports([child])
-                elif isinstance(child, ast.excepthandler | ast.match_case):
+                elif isinstance(child, ast.ExceptHandler | ast.match_case):
                     yield from _imports(child.body)
 
 

@@ -18,7 +18,7 @@ class IncompleteBuffer(DataBuffer):
 
     async def put(self, item: BufferItem) -> None: ...
 
-    async def get(self, *, current_version: int | None) -> BufferItem:
+    async def get(self, *, current_version: int | None = None, **context: Any) -> BufferItem:
         raise NotImplementedError
 
 

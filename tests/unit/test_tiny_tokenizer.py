@@ -10,7 +10,7 @@ import pytest
 from miles_aio.models.tiny import CHAT_TOKENS, EOS_TOKEN, UNK_TOKEN, build_tiny_llama, load_tokenizer
 from miles_aio.tasks.arithmetic import ALPHABET
 
-SHAPE = {"hidden_size": 32, "num_heads": 2, "num_kv_heads": 1}
+SHAPE: dict[str, Any] = {"hidden_size": 32, "num_heads": 2, "num_kv_heads": 1}
 
 
 @pytest.fixture(scope="module")
@@ -41,11 +41,13 @@ def test_known_ids_are_unchanged(model_dir: Path) -> None:
     assert tok.encode(ALPHABET) == list(range(3, 3 + len(ALPHABET)))
 
 
-def test_chat_tokens_keep_their_ids_and_unk_comes_after(tmp_path: Path) -> None:
+def test_unk_follows_the_alphabet_and_the_chat_tokens_follow_unk(tmp_path: Path) -> None:
+    # the chat model's vocabulary extends the default one (tests/engine/test_openai.py checks the weights)
     tok = load_tokenizer(build_tiny_llama(tmp_path / "chat", alphabet=ALPHABET, chat_tokens=True, **SHAPE))
-    first = 3 + len(ALPHABET)
-    assert tok.convert_tokens_to_ids(list(CHAT_TOKENS)) == list(range(first, first + len(CHAT_TOKENS)))
-    assert tok.unk_token_id == first + len(CHAT_TOKENS) == len(tok) - 1
+    unk = 3 + len(ALPHABET)
+    assert tok.unk_token_id == unk
+    assert tok.convert_tokens_to_ids(list(CHAT_TOKENS)) == list(range(unk + 1, unk + 1 + len(CHAT_TOKENS)))
+    assert len(tok) == unk + 1 + len(CHAT_TOKENS)
 
 
 def test_the_model_has_a_row_for_unk(model_dir: Path) -> None:

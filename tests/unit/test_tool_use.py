@@ -19,7 +19,8 @@ class ScriptedEngine:
     """A FAKE engine that answers each call with the next scripted text (one version per call)."""
 
     def __init__(self, tok: Any, replies: list[str]) -> None:
-        self.tok, self.replies, self.calls = tok, list(replies), []
+        self.tok, self.replies = tok, list(replies)
+        self.calls: list[tuple[list[int], dict[str, Any]]] = []
 
     async def generate(
         self, *, input_ids: list[int], sampling_params: Mapping[str, Any], routing_key: Hashable | None = None

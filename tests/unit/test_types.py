@@ -2,16 +2,24 @@ from __future__ import annotations
 
 import pytest
 
-from miles_aio.types import BufferItem, GenerateOutput, Sample, Status, group_oldest_version, group_staleness
+from miles_aio.types import (
+    BufferItem,
+    FinishReason,
+    GenerateOutput,
+    Sample,
+    Status,
+    group_oldest_version,
+    group_staleness,
+)
 
 
-def out(n: int, version: int | None, finish: str = "stop") -> GenerateOutput:
+def out(n: int, version: int | None, finish: FinishReason = "stop") -> GenerateOutput:
     return GenerateOutput(
         text="x" * n,
         output_ids=list(range(n)),
         output_log_probs=[-0.5] * n,
         weight_versions=[version] * n,
-        finish_reason=finish,  # type: ignore[arg-type]
+        finish_reason=finish,
     )
 
 
@@ -25,9 +33,10 @@ def test_append_keeps_response_lists_aligned_and_maps_finish_reason() -> None:
     assert s.prompt_length == 2
     assert s.loss_mask == [1, 1, 1, 0, 0, 1, 1]
     assert s.weight_versions == [1, 1, 1, None, None, 2, 2]
-    assert s.status == Status.TRUNCATED
+    statuses = [s.status]
     s.append(out(1, 3, "abort"))
-    assert s.status == Status.ABORTED
+    statuses.append(s.status)
+    assert statuses == [Status.TRUNCATED, Status.ABORTED]
 
 
 def test_generate_output_rejects_misaligned_lists() -> None:
@@ -59,9 +68,8 @@ def test_group_staleness_uses_the_oldest_token_across_samples() -> None:
 
 
 def test_reset_for_retry_keeps_identity_and_prompt_tokens() -> None:
-    s = Sample(group_index=3, index=12, prompt="p", label="l", tokens=[1, 2], metadata={"k": 1})
+    s = Sample(group_index=3, index=12, prompt="p", label="l", tokens=[1, 2], reward=1.0, metadata={"k": 1})
     s.append(out(3, 1))
-    s.reward = 1.0
     s.reset_for_retry()
     assert (s.group_index, s.index, s.prompt, s.label, s.metadata) == (3, 12, "p", "l", {"k": 1})
     assert s.tokens == [1, 2]

@@ -12,21 +12,21 @@ engine (`miles_aio.engine`)::
       tokenizer_config.json, special_tokens_map.json   (with the chat template)
 
 Token ids: `<pad>`=0, `<s>`=1, `</s>`=2 (the eos), then the characters of `alphabet` in order of first
-appearance, and `<unk>` last (after the chat tokens, when there are any). Encoding adds no special
+appearance, then `<unk>` (the chat tokens, when there are any, come after it). Encoding adds no special
 tokens; a character outside the alphabet encodes to `<unk>`, one per character, as a Hugging Face
 tokenizer with an unknown token does (`encode("?1") == [unk_token_id, id("1")]`), so nothing a prompt
 says is silently dropped and the response text shows `<unk>` where it was. A character-level vocabulary
 keeps the model small and makes toy tasks readable, since every sampled token is one visible character.
 
 Chat: by default the chat template only concatenates the messages' contents (the ids and weights above
-stay exactly what they always were). With `chat_tokens=True` the vocabulary gains `CHAT_TOKENS`, appended
-after the alphabet: one special token per role (`<|system|>`, `<|user|>`, `<|assistant|>`, `<|tool|>`)
-and the end-of-turn `<|end|>`, which generation_config lists as a second eos, so a reply stops there. The
-template then renders `<s>`, a system turn listing `tools` (as JSON) when given, each message as
-`<|role|>content<|end|>`, and `<|assistant|>` for `add_generation_prompt`; role markers are single
-tokens, so any alphabet can chat. The weights are the default model's, plus embedding (and lm_head) rows
-for the new ids drawn from a generator of their own; so is the row of `<unk>`, so adding it changed no
-other value.
+stay exactly what they always were). With `chat_tokens=True` the vocabulary gains `CHAT_TOKENS`,
+appended after `<unk>` (so the chat model's vocabulary extends the default one): one special token per
+role (`<|system|>`, `<|user|>`, `<|assistant|>`, `<|tool|>`) and the end-of-turn `<|end|>`, which
+generation_config lists as a second eos, so a reply stops there. The template then renders `<s>`, a
+system turn listing `tools` (as JSON) when given, each message as `<|role|>content<|end|>`, and
+`<|assistant|>` for `add_generation_prompt`; role markers are single tokens, so any alphabet can chat.
+The weights are the default model's, plus embedding (and lm_head) rows for the new ids drawn from a
+generator of their own; so is the row of `<unk>`, so adding it changed no other value.
 
 Nothing here imports transformers (it costs seconds); `load_tokenizer` does, lazily.
 """
@@ -71,7 +71,7 @@ _INITIALIZER_RANGE: Final = 0.02
 _CHAT_TEMPLATE: Final = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 END_OF_TURN_TOKEN: Final = "<|end|>"
 CHAT_TOKENS: Final = ("<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", END_OF_TURN_TOKEN)
-"""Added by `chat_tokens=True`, after the alphabet (and before `<unk>`), in this order."""
+"""Added by `chat_tokens=True`, after the alphabet and `<unk>`, in this order."""
 _CHAT_SEED_OFFSET: Final = 0x5EED_C4A7
 """The rows of CHAT_TOKENS come from their own generator, seeded `seed + this`."""
 # With chat_tokens: role markers are single special tokens; unknown roles are refused.
@@ -135,11 +135,11 @@ def build_tiny_llama(
     for c in chars:
         vocab.setdefault(c, len(vocab))
     base_vocab_size = len(vocab)
+    vocab.setdefault(UNK_TOKEN, len(vocab))  # before the chat tokens: the chat vocabulary extends this one
+    unk_vocab_size = len(vocab)
     if chat_tokens:
         for tok in CHAT_TOKENS:
             vocab.setdefault(tok, len(vocab))
-    chat_vocab_size = len(vocab)
-    vocab.setdefault(UNK_TOKEN, len(vocab))
     vocab_size = len(vocab)
     pad_id, bos_id, eos_id = (vocab[t] for t in SPECIAL_TOKENS)
 
@@ -177,9 +177,9 @@ def build_tiny_llama(
         {"bos_token_id": bos_id, "eos_token_id": eos_ids, "pad_token_id": pad_id},
     )
     weights = _init_weights(config | {"vocab_size": base_vocab_size}, seed=seed)
+    weights = _append_rows(weights, unk_vocab_size - base_vocab_size, seed=seed + _UNK_SEED_OFFSET)
     if chat_tokens:
-        weights = _append_rows(weights, chat_vocab_size - base_vocab_size, seed=seed + _CHAT_SEED_OFFSET)
-    weights = _append_rows(weights, vocab_size - chat_vocab_size, seed=seed + _UNK_SEED_OFFSET)
+        weights = _append_rows(weights, vocab_size - unk_vocab_size, seed=seed + _CHAT_SEED_OFFSET)
     save_file(
         weights,
         str(out_dir / "model.safetensors"),
@@ -189,7 +189,7 @@ def build_tiny_llama(
         out_dir,
         vocab=vocab,
         model_max_length=max_position_embeddings,
-        special_tokens=SPECIAL_TOKENS + (CHAT_TOKENS if chat_tokens else ()) + (UNK_TOKEN,),
+        special_tokens=SPECIAL_TOKENS + (UNK_TOKEN,) + (CHAT_TOKENS if chat_tokens else ()),
         chat_template=_ROLE_CHAT_TEMPLATE if chat_tokens else _CHAT_TEMPLATE,
     )
     return out_dir

@@ -12,6 +12,13 @@ Built in:
     none     no parsing: the whole reply is the content.
 
 Any other value is an import path (`pkg.mod:fn`) of a function with the same signature.
+
+Streaming (`stream: true`) shows the content while the reply is generated, so it may only send text that
+the parser's content will start with whatever the model writes next: `streamable_length(parser, text)`.
+For `none` that is all of it; for `qwen25` the text before anything that could open a `<tool_call>`, less
+its trailing whitespace (a call after it strips that), and nothing while the reply starts with
+whitespace (stripped too if a call follows); for a parser given by import path nothing: its content is
+sent whole once the reply is complete. Tool calls are always sent at the end, parsed from the whole reply.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ __all__ = [
     "parse_none",
     "parse_qwen25",
     "resolve_tool_call_parser",
+    "streamable_length",
 ]
 
 
@@ -99,6 +107,34 @@ def _json_call(body: str) -> ToolCall | None:
 
 
 BUILTIN_PARSERS: Final[dict[str, ToolCallParser]] = {"qwen25": parse_qwen25, "none": parse_none}
+
+_QWEN25_OPEN: Final = "<tool_call>"
+
+
+def _qwen25_streamable(text: str) -> int:
+    if not text or text[0].isspace():
+        return 0
+    end = text.find(_QWEN25_OPEN)
+    if end < 0:  # a tag may be starting at the end: hold back any suffix that begins one
+        end = len(text)
+        for k in range(min(len(_QWEN25_OPEN) - 1, len(text)), 0, -1):
+            if text.endswith(_QWEN25_OPEN[:k]):
+                end -= k
+                break
+    return len(text[:end].rstrip())
+
+
+_STREAMABLE: Final[dict[ToolCallParser, Callable[[str], int]]] = {
+    parse_none: len,
+    parse_qwen25: _qwen25_streamable,
+}
+
+
+def streamable_length(parser: ToolCallParser, text: str) -> int:
+    """How many leading characters of `text`, a reply still being generated, `parser`'s content is sure
+    to start with whatever follows (see the module docstring); 0 for a parser this module does not know."""
+    streamable = _STREAMABLE.get(parser)
+    return 0 if streamable is None else streamable(text)
 
 
 def resolve_tool_call_parser(selector: str) -> ToolCallParser:

@@ -8,19 +8,45 @@ count); a content given as a list of text parts becomes one string. Refused with
 ignored): `n` > 1, `tool_choice` other than "auto"/"none", a `response_format` other than text, images or
 audio. Unknown fields are ignored, as OpenAI-compatible servers do.
 
-`completion(...)` is the `chat.completion` answer; `stream_chunks(...)` the same answer as SSE
-`chat.completion.chunk`s: the role, the content, one chunk per tool call (`index`, `id`, `type`,
-`function`), the finish reason, the usage chunk if `stream_options.include_usage`, then `data: [DONE]`.
+`completion(...)` is the `chat.completion` answer. Streamed (`StreamHead`), an answer is SSE
+`chat.completion.chunk`s: the role, the content in deltas as it is generated (`chunk`), then (`tail`) one
+chunk per tool call (`index`, `id`, `type`, `function`, parsed from the whole reply, as OpenAI sends each
+call), the finish reason, the usage chunk if `stream_options.include_usage`, and `data: [DONE]`; `whole`
+is an answer at once (a reply with no engine call). An error after the stream began is one
+`data: {"error": ...}` event (`stream_error`).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-__all__ = ["ChatRequest", "RequestError", "completion", "error_body", "parse_chat_request", "stream_chunks"]
+from miles_aio.inference.wire import encode_json as _encode_json
+
+try:  # msgspec's decoder is several times faster than the stdlib's; optional, as in inference.wire
+    import msgspec
+
+    _decode: Any = msgspec.json.Decoder().decode
+    _DECODE_ERRORS: tuple[type[Exception], ...] = (msgspec.DecodeError, ValueError, RecursionError)
+except ImportError:  # pragma: no cover - only without msgspec
+    import json
+
+    _decode = json.loads
+    _DECODE_ERRORS = (ValueError, RecursionError)
+
+__all__ = [
+    "STREAM_DONE",
+    "ChatRequest",
+    "RequestError",
+    "StreamHead",
+    "completion",
+    "decode_body",
+    "encode_json",
+    "error_body",
+    "parse_chat_request",
+    "stream_error",
+]
 
 _ROLES: Final = frozenset({"system", "user", "assistant", "tool"})
 _TOOL_CHOICES: Final = frozenset({"auto", "none"})
@@ -84,6 +110,14 @@ class ChatRequest:
     def parse_tools(self) -> bool:
         """Whether tool calls are parsed out of the reply: tools were offered, and not with "none"."""
         return bool(self.tools) and self.tool_choice != "none"
+
+
+def decode_body(raw: bytes) -> object:
+    """A request body's JSON; RequestError (400) if it is not JSON."""
+    try:
+        return _decode(raw)
+    except _DECODE_ERRORS:
+        raise RequestError("the request body is not JSON") from None
 
 
 def parse_chat_request(body: object) -> ChatRequest:
@@ -218,49 +252,75 @@ def completion(
     }
 
 
-def stream_chunks(
-    *,
-    rid: str,
-    created: int,
-    model: str,
-    message: Mapping[str, Any],
-    finish_reason: str,
-    usage: Mapping[str, int],
-    include_usage: bool,
-    logprobs: Sequence[Mapping[str, Any]] | None,
-) -> Iterator[bytes]:
-    """The SSE byte chunks of one answer (see the module docstring)."""
+@dataclass(frozen=True, slots=True)
+class StreamHead:
+    """One streamed answer: what each of its `chat.completion.chunk`s repeats, and the chunks."""
 
-    def chunk(delta: dict[str, Any], finish: str | None = None, lp: Any = None) -> bytes:
-        body = {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}],
-        }
-        return _sse(body)
+    rid: str
+    created: int
+    model: str
 
-    yield chunk({"role": "assistant", "content": ""})
-    if message.get("content"):
+    def chunk(
+        self,
+        delta: Mapping[str, Any],
+        finish_reason: str | None = None,
+        logprobs: Sequence[Mapping[str, Any]] | None = None,
+    ) -> bytes:
+        """One SSE chunk with a single choice."""
         lp = None if logprobs is None else {"content": list(logprobs)}
-        yield chunk({"content": message["content"]}, lp=lp)
-    for i, call in enumerate(message.get("tool_calls") or []):
-        yield chunk({"tool_calls": [{"index": i, **call}]})
-    yield chunk({}, finish=finish_reason)
-    if include_usage:
-        yield _sse(
-            {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": [],
-                "usage": dict(usage),
-            }
+        choice = {"index": 0, "delta": dict(delta), "logprobs": lp, "finish_reason": finish_reason}
+        return _sse({**self._fields(), "choices": [choice]})
+
+    def tail(
+        self, *, message: Mapping[str, Any], finish_reason: str, usage: Mapping[str, Any], include_usage: bool
+    ) -> Iterator[bytes]:
+        """The end of the answer: one chunk per tool call (`index`, `id`, `type`, `function`), the finish
+        reason, the usage chunk if asked, `data: [DONE]`."""
+        for i, call in enumerate(message.get("tool_calls") or []):
+            yield self.chunk({"tool_calls": [{"index": i, **call}]})
+        yield self.chunk({}, finish_reason=finish_reason)
+        if include_usage:
+            yield _sse({**self._fields(), "choices": [], "usage": dict(usage)})
+        yield STREAM_DONE
+
+    def whole(
+        self,
+        *,
+        message: Mapping[str, Any],
+        finish_reason: str,
+        usage: Mapping[str, Any],
+        include_usage: bool,
+        logprobs: Sequence[Mapping[str, Any]] | None,
+    ) -> Iterator[bytes]:
+        """A whole answer at once: the role, the content, then `tail`."""
+        yield self.chunk({"role": "assistant", "content": ""})
+        if message.get("content") or logprobs:
+            yield self.chunk({"content": message.get("content") or ""}, logprobs=logprobs)
+        yield from self.tail(
+            message=message, finish_reason=finish_reason, usage=usage, include_usage=include_usage
         )
-    yield b"data: [DONE]\n\n"
+
+    def _fields(self) -> dict[str, Any]:
+        return {
+            "id": self.rid,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+        }
+
+
+def stream_error(e: RequestError) -> bytes:
+    """An error inside a stream whose status line was sent (the `openai` client raises `APIError`)."""
+    return _sse(error_body(e))
+
+
+STREAM_DONE: Final = b"data: [DONE]\n\n"
+
+
+def encode_json(obj: object) -> bytes:
+    """JSON as UTF-8 (msgspec when installed: several times faster than the stdlib here)."""
+    return _encode_json(obj)
 
 
 def _sse(obj: object) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + _encode_json(obj) + b"\n\n"

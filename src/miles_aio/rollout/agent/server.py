@@ -23,8 +23,14 @@ Each rollout gets its own session (`session(...)`: an unguessable id from `secre
      same engine and reuses its prefix cache; an engine failure is 503 `engine_unavailable`;
   4. the reply text (special tokens skipped, a matched stop string cut, as OpenAI does) goes through the
      `--session-tool-call-parser`; a call is recorded as a turn (a rolled-back turn is dropped first),
-     and the answer is sent, streamed as SSE chunks if asked (the engine call itself is one /generate:
-     the limiter and partial rollout need the whole answer).
+     and the answer is sent.
+
+With `stream: true` step 3 is `generate_stream` (SGLang's streaming `/generate`, the same limiter slot
+for the whole stream, routing, retries until the first token, partial-rollout continuation): the SSE
+answer starts with the engine's first tokens and carries a content delta per engine chunk, as much of
+the text as is surely the start of the final content (`streaming.ContentStream`: no partial tool call,
+stop string or character); the tool calls, the rest of the content, the finish reason and the usage
+follow once the reply is complete. The turn recorded is the same as without streaming, token for token.
 
 A request for an unknown or ended session is 404 `session_not_found`; one whose session ended while its
 engine call ran is 409 `session_ended` (its tokens are not part of the sample).
@@ -47,18 +53,24 @@ from aiohttp import web
 from miles_aio._aio import finish_even_if_cancelled
 from miles_aio.chat_template import ChatTemplate, ChatTemplateError
 from miles_aio.errors import EngineError
+from miles_aio.inference.base import ChunkSink, GenerateChunk, generate_streamed
 from miles_aio.rollout.agent.matchers import MessageMatcher
 from miles_aio.rollout.agent.parsers import ParsedReply, ToolCallParser
 from miles_aio.rollout.agent.protocol import (
     ChatRequest,
     RequestError,
+    StreamHead,
     completion,
+    decode_body,
+    encode_json,
     error_body,
     parse_chat_request,
-    stream_chunks,
+    stream_error,
 )
 from miles_aio.rollout.agent.session import Session, Turn
+from miles_aio.rollout.agent.streaming import ContentStream
 from miles_aio.rollout.agent.tito import HistoryDiverged, TurnTokens, next_prompt, plan_turn
+from miles_aio.types import GenerateOutput
 
 if TYPE_CHECKING:
     from miles_aio.rollout.context import RolloutContext, Tokenizer
@@ -103,6 +115,7 @@ class SessionServer:
         self.max_context_len = max_context_len
         self._abort_hook = abort_hook
         self._abort_args = abort_args
+        self._encode, self._decode = _codec(tokenizer, template)
         self._sessions: dict[str, Session] = {}
         self.ready = asyncio.Event()
         """Set once the server listens (`root_url` is known)."""
@@ -231,34 +244,35 @@ class SessionServer:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         session = self._lookup(request)
         session.calls += 1
-        try:
-            body = await request.json()
-        except ValueError:
-            raise RequestError("the request body is not JSON") from None
-        req = parse_chat_request(body)
+        req = parse_chat_request(decode_body(await request.read()))
         async with session.lock:
             if session.closed:
                 self._lookup(request)  # raises 404
-            a = await self._turn(session, req)
+            turn = self._prepare(session, req)
+            if turn.params is None:  # no room left: an empty reply, no engine call
+                session.out_of_budget = True
+                empty = {"role": "assistant", "content": None}
+                a = _Answer(empty, "length", turn.usage(0), [] if req.logprobs else None, {})
+            elif req.stream:
+                return await self._stream(request, session, req, turn)
+            else:
+                out = await self._generate(session, turn, None)
+                a = self._record(session, req, turn, out, logprobs=req.logprobs)
         if not req.stream:
-            return web.json_response(
-                completion(
-                    rid=a.rid,
-                    created=a.created,
-                    model=req.model,
-                    message=a.message,
-                    finish_reason=a.finish_reason,
-                    usage=a.usage,
-                    logprobs=a.logprobs,
-                    metadata=a.metadata,
-                )
+            body = completion(
+                rid=turn.rid,
+                created=turn.created,
+                model=req.model,
+                message=a.message,
+                finish_reason=a.finish_reason,
+                usage=a.usage,
+                logprobs=a.logprobs,
+                metadata=a.metadata,
             )
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            return web.Response(body=encode_json(body), content_type="application/json")
+        resp = web.StreamResponse(headers=_SSE_HEADERS)
         await resp.prepare(request)
-        for chunk in stream_chunks(
-            rid=a.rid,
-            created=a.created,
-            model=req.model,
+        for chunk in StreamHead(turn.rid, turn.created, req.model).whole(
             message=a.message,
             finish_reason=a.finish_reason,
             usage=a.usage,
@@ -269,10 +283,68 @@ class SessionServer:
         await resp.write_eof()
         return resp
 
+    async def _stream(
+        self, request: web.Request, session: Session, req: ChatRequest, turn: _Prepared
+    ) -> web.StreamResponse:
+        """Step 3-4 streamed: the answer's status line goes out with the engine's first tokens (an engine
+        that fails before them is a plain 503), then a content delta per engine chunk (what
+        `ContentStream` can show), and once the reply is complete its tool calls, finish reason and usage.
+        A failure after the first chunk is an error event."""
+        head = StreamHead(turn.rid, turn.created, req.model)
+        resp = web.StreamResponse(headers=_SSE_HEADERS)
+        stops = turn.params.get("stop") if turn.params else None
+        content = ContentStream(
+            decode=self._decode_skipping_special,
+            parser=self.parser if req.parse_tools else None,
+            stops=[stops] if isinstance(stops, str) else list(stops or ()),
+        )
+
+        async def start() -> None:
+            await resp.prepare(request)
+            await resp.write(head.chunk({"role": "assistant", "content": ""}))
+
+        async def on_chunk(chunk: GenerateChunk) -> None:
+            if not resp.prepared:
+                await start()
+            delta = content.push(chunk.output_ids)
+            lp = self._logprobs(chunk.output_ids, chunk.output_log_probs) if req.logprobs else None
+            if delta or lp:
+                await resp.write(head.chunk({"content": delta}, logprobs=lp))
+
+        try:
+            out = await self._generate(session, turn, on_chunk)
+        except RequestError as e:
+            if not resp.prepared:
+                raise
+            await resp.write(stream_error(e))
+            await resp.write_eof()
+            return resp
+        a = self._record(session, req, turn, out, logprobs=False)
+        if not resp.prepared:
+            await start()
+        rest = content.finish(a.message["content"])
+        if rest is None:
+            _log.warning(
+                "agent sessions: the streamed content is not the start of the reply's content",
+                streamed=content.sent[:200],
+                content=str(a.message["content"])[:200],
+            )
+        elif rest:
+            await resp.write(head.chunk({"content": rest}))
+        for chunk in head.tail(
+            message=a.message,
+            finish_reason=a.finish_reason,
+            usage=a.usage,
+            include_usage=req.include_usage,
+        ):
+            await resp.write(chunk)
+        await resp.write_eof()
+        return resp
+
     # ---- one turn ---------------------------------------------------------------------------------------
 
-    async def _turn(self, session: Session, req: ChatRequest) -> _Answer:
-        """Steps 1-4 of the module docstring, under the session's lock."""
+    def _prepare(self, session: Session, req: ChatRequest) -> _Prepared:
+        """Steps 1-2 of the module docstring (under the session's lock): the engine input and params."""
         try:
             plan = plan_turn(session.turns, req.messages, matcher=self.matcher, tools=req.tools)
             kept = session.turns[plan.keep - 1].tokens if plan.keep else None
@@ -290,20 +362,30 @@ class SessionServer:
         max_new = req.max_tokens if req.max_tokens is not None else int(params.get("max_new_tokens", 1024))
         limits = [n for n in (self.max_seq_len, self.max_context_len) if n is not None]
         budget = min((n - len(prompt_ids) for n in limits), default=max_new)
-        usage: dict[str, Any] = {
-            "prompt_tokens": len(prompt_ids),
-            "completion_tokens": 0,
-            "total_tokens": len(prompt_ids),
-        }
         if budget <= 0:
-            session.out_of_budget = True
-            empty = {"role": "assistant", "content": None}
-            return _Answer(rid, created, empty, "length", usage, [] if req.logprobs else None, {})
+            return _Prepared(plan.keep, prompt_ids, None, rid, created)
         params["max_new_tokens"] = min(max_new, budget)
+        return _Prepared(plan.keep, prompt_ids, params, rid, created)
+
+    async def _generate(
+        self, session: Session, turn: _Prepared, on_chunk: ChunkSink | None
+    ) -> GenerateOutput:
+        """Step 3: one engine call (streamed when `on_chunk` is given); 503 if the engine fails, 409 if the
+        session ended meanwhile."""
+        assert turn.params is not None
         try:
-            out = await session.ctx.engine.generate(
-                input_ids=prompt_ids, sampling_params=params, routing_key=session.id
-            )
+            if on_chunk is None:
+                out = await session.ctx.engine.generate(
+                    input_ids=turn.prompt_ids, sampling_params=turn.params, routing_key=session.id
+                )
+            else:
+                out = await generate_streamed(
+                    session.ctx.engine,
+                    input_ids=turn.prompt_ids,
+                    sampling_params=turn.params,
+                    on_chunk=on_chunk,
+                    routing_key=session.id,
+                )
         except EngineError as e:
             session.engine_error = f"{type(e).__name__}: {e}"
             raise RequestError(
@@ -315,7 +397,13 @@ class SessionServer:
                 status=409,
                 code="session_ended",
             )
-        text = self.tokenizer.decode(list(out.output_ids), skip_special_tokens=True)
+        return out
+
+    def _record(
+        self, session: Session, req: ChatRequest, turn: _Prepared, out: GenerateOutput, *, logprobs: bool
+    ) -> _Answer:
+        """Step 4: the reply the agent sees, recorded as the session's newest turn."""
+        text = self._decode_skipping_special(out.output_ids)
         finish_meta = out.meta.get("finish_reason")
         matched = finish_meta.get("matched") if isinstance(finish_meta, dict) else None
         if isinstance(matched, str) and matched and text.endswith(matched):
@@ -333,37 +421,37 @@ class SessionServer:
             ]
             session.call_ids += len(parsed.tool_calls)
         finish = "tool_calls" if parsed.tool_calls and out.finish_reason == "stop" else out.finish_reason
-        if plan.keep < len(session.turns):
-            session.rollbacks += len(session.turns) - plan.keep
-            del session.turns[plan.keep :]
+        if turn.keep < len(session.turns):
+            session.rollbacks += len(session.turns) - turn.keep
+            del session.turns[turn.keep :]
         session.turns.append(
             Turn(
                 messages=req.messages,
                 reply=message,
                 tools=req.tools,
                 tokens=TurnTokens(
-                    prompt_ids, list(out.output_ids), list(out.output_log_probs), list(out.weight_versions)
+                    turn.prompt_ids,
+                    list(out.output_ids),
+                    list(out.output_log_probs),
+                    list(out.weight_versions),
                 ),
                 finish_reason=out.finish_reason,
             )
         )
         session.engine_error = None
-        n = len(out.output_ids)
-        usage = {
-            "prompt_tokens": len(prompt_ids),
-            "completion_tokens": n,
-            "total_tokens": len(prompt_ids) + n,
-            "prompt_tokens_details": {"cached_tokens": out.cached_tokens},
-        }
-        logprobs = None
-        if req.logprobs:
-            logprobs = [
-                {"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
-                for tok, lp in zip(self._token_texts(out.output_ids), out.output_log_probs, strict=True)
-            ]
+        usage = turn.usage(len(out.output_ids))
+        usage["prompt_tokens_details"] = {"cached_tokens": out.cached_tokens}
+        lp = self._logprobs(out.output_ids, out.output_log_probs) if logprobs else None
         known = [v for v in out.weight_versions if v is not None]
         meta = {"weight_version": known[-1] if known else None}
-        return _Answer(rid, created, message, finish, usage, logprobs, meta)
+        return _Answer(message, finish, usage, lp, meta)
+
+    def _logprobs(self, ids: Sequence[int], log_probs: Sequence[float]) -> list[dict[str, Any]]:
+        """OpenAI's `logprobs.content` entries of these tokens."""
+        return [
+            {"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
+            for tok, lp in zip(self._token_texts(ids), log_probs, strict=True)
+        ]
 
     def _renderer(
         self, tools: Sequence[Mapping[str, Any]] | None
@@ -373,22 +461,84 @@ class SessionServer:
 
         return render
 
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
     def _token_texts(self, ids: Sequence[int]) -> list[str]:
-        return [self.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+        return [self._decode([i], False) for i in ids]
+
+    def _decode_skipping_special(self, ids: Sequence[int]) -> str:
+        return self._decode(ids, True)
+
+
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    """A request's engine call, planned (steps 1-2)."""
+
+    keep: int
+    """Stored turns the request continues (later ones are rolled back once it is answered)."""
+    prompt_ids: list[int]
+    params: dict[str, Any] | None
+    """The engine call's sampling params; None: no room left for a reply (no call)."""
+    rid: str
+    created: int
+
+    def usage(self, completion_tokens: int) -> dict[str, Any]:
+        n = len(self.prompt_ids)
+        return {
+            "prompt_tokens": n,
+            "completion_tokens": completion_tokens,
+            "total_tokens": n + completion_tokens,
+        }
 
 
 @dataclass(frozen=True, slots=True)
 class _Answer:
-    rid: str
-    created: int
     message: dict[str, Any]
     finish_reason: str
     usage: dict[str, Any]
     logprobs: list[dict[str, Any]] | None
     metadata: dict[str, Any]
+
+
+_SSE_HEADERS: Final = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+def _codec(
+    tokenizer: Tokenizer, template: ChatTemplate
+) -> tuple[Callable[[str], list[int]], Callable[[Sequence[int], bool], str]]:
+    """`encode(text)` (no special tokens added) and `decode(ids, skip_special_tokens)` for the endpoint:
+    a Hugging Face fast tokenizer's own Rust backend, which is what its `encode`/`decode` call, without
+    their ~40-60 µs of Python per call, once a probe (a rendered conversation) shows that both give the
+    same ids and texts; the tokenizer's methods otherwise."""
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(ids: Sequence[int], skip_special_tokens: bool) -> str:
+        return tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return encode, decode
+
+    def fast_encode(text: str) -> list[int]:
+        ids: list[int] = backend.encode(text, add_special_tokens=False).ids
+        return ids
+
+    def fast_decode(ids: Sequence[int], skip_special_tokens: bool) -> str:
+        text: str = backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        return text
+
+    try:
+        probe = template.render(
+            [{"role": "user", "content": "Hi, 12+34 = ?"}, {"role": "assistant", "content": " 46. ok"}],
+            add_generation_prompt=True,
+        )
+        ids = encode(probe)
+        same = fast_encode(probe) == ids and all(
+            fast_decode(ids, skip) == decode(ids, skip) for skip in (True, False)
+        )
+    except Exception:  # a backend unlike `tokenizers.Tokenizer`: the tokenizer's own methods
+        return encode, decode
+    return (fast_encode, fast_decode) if same else (encode, decode)
 
 
 def _url_host(host: str) -> str:
