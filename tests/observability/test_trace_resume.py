@@ -9,35 +9,12 @@ from typing import Any
 
 import pytest
 
-from miles_aio.controller import Controller
 from miles_aio.observability.trace import CONTROLLER_PID, SEGMENT_GAP_S, Tracer, merge_segments, read_trace
-from miles_aio.plugins import resolve_plugins
-from miles_aio.testing import FakeLatencyEngine, FakeTokenizer, FakeTrainer, LogNormalLatency
-from tests.helpers import make_config, make_source
+from miles_aio.testing import FakeTrainer
+from tests.async_.test_resume import controller  # the same killable, resumable run
 from tests.observability.test_trace import check_nesting
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def controller(tmp_path: Path, trainer: FakeTrainer, **cfg: Any) -> Controller:
-    config = make_config(
-        tmp_path / "run",
-        num_rollout=10,
-        save=tmp_path / "ckpt",
-        save_interval=3,
-        rollout_batch_size=2,
-        n_samples_per_prompt=2,
-        async_max_concurrent_samples=12,
-        **cfg,
-    )
-    return Controller(
-        config,
-        engine=FakeLatencyEngine(LogNormalLatency(1.0, 10.0), tokens_per_s=10, seed=7),
-        trainer=trainer,
-        source=make_source(n=2),
-        plugins=resolve_plugins(config),
-        tokenizer=FakeTokenizer(),
-    )
 
 
 def steps_traced(events: list[dict[str, Any]]) -> list[int]:
