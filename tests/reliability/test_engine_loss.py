@@ -69,14 +69,15 @@ def test_one_of_two_engines_frozen_then_killed_the_run_goes_on(tmp_path: Path, m
     run.check_aftermath()
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(210)
 def test_the_only_engine_frozen_then_killed_the_run_goes_on(tmp_path: Path, model: Path) -> None:
     run = Run(tmp_path / "run", model, *ADMIN)
     try:
         run.wait_steps(3)
         (pid,), (url,) = run.engines()
         os.kill(pid, signal.SIGSTOP)
-        run.wait(excluded(url), "the engine excluded", timeout_s=30)
+        # found by the health checks; on a loaded 2-core machine the run's loop may lag well past 30 s
+        run.wait(excluded(url), "the engine excluded", timeout_s=90)
         os.kill(pid, signal.SIGCONT)  # thawed: it rejoins with the current weights, generation resumes
         run.event("engine_rejoined", url=url, state="active", timeout_s=30)
         run.wait_steps(3)
