@@ -170,3 +170,25 @@ def test_rank_threads_leave_the_embedded_engines_their_cores(model_dir: Path, tm
     cores = os.cpu_count() or 1
     assert run(threads(_cfg(model_dir))) == max(1, cores - 1)  # one core for the one engine thread
     assert run(threads(_cfg(model_dir, trainer_num_threads=3))) == 3  # the flag overrides
+
+
+@pytest.mark.timeout(90)
+def test_one_optimizer_step_per_rollout_skips_the_pi_old_forward(model_dir: Path, tmp_path: Path) -> None:
+    """π_old = the weights before the rollout's first update: with one optimizer step the training
+    forward's own log-probs are π_old (no pre-forward); with two, the second step needs the recomputed
+    π_old, so the pre-forward runs and the PPO ratio moves off 1 (batch 1: both groups have mixed rewards,
+    so the first step has a gradient)."""
+
+    async def main() -> tuple[dict[str, float], dict[str, float]]:
+        one_cfg = _cfg(model_dir, global_batch_size=8)
+        async with TrainerActor.open(one_cfg, run_dir=tmp_path / "one") as actor:
+            one = await actor.train(0, make_batch(1))  # 8 samples, one optimizer step
+        async with TrainerActor.open(_cfg(model_dir), run_dir=tmp_path / "two") as actor:
+            two = await actor.train(0, make_batch(1))  # the same 8 samples, two optimizer steps
+        return one, two
+
+    one, two = run(main())
+    assert one["train/optimizer_steps"] == 1 and two["train/optimizer_steps"] == 2
+    assert one["perf/trainer_pre_forward_s"] == 0.0 < two["perf/trainer_pre_forward_s"]
+    assert one["train/ratio"] == pytest.approx(1.0, abs=1e-12) and one["train/pg_clipfrac"] == 0.0
+    assert two["train/ppo_kl"] != 0.0  # the second step ran against π_old, not against itself

@@ -195,6 +195,26 @@ def test_opsm_masks_negative_advantage_sequences_that_drifted() -> None:
     assert out.loss.item() == pytest.approx(-1.0)  # only the positive-advantage row remains
 
 
+def test_old_logp_none_is_this_forwards_own_log_probs() -> None:
+    """One optimizer step per rollout: π_old is the policy the logits come from, so `old_logp=None`
+    (no separate forward) gives the loss, gradients and metrics a recomputed π_old would, TIS included."""
+    mb = losses.collate([_row([5, 6, 7, 8], 2, adv=1.5), _row([9, 10, 11], 1, adv=-1.0)])
+    settings = LossSettings(use_tis=True)
+    base = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(0))
+    outs, grads = [], []
+    for fused in (True, False):
+        logits = base.clone().requires_grad_()
+        old = None if fused else losses.token_log_probs(logits, mb.targets).detach()
+        out = losses.micro_batch_loss(logits, mb, old_logp=old, settings=settings, num_tokens=3.0)
+        out.loss.backward()
+        outs.append(out)
+        assert logits.grad is not None
+        grads.append(logits.grad)
+    assert outs[0].loss.item() == outs[1].loss.item() != 0.0
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+    assert outs[0].sums == outs[1].sums and outs[0].sums["pg_clipfrac"] == 0.0
+
+
 # -- batching ----------------------------------------------------------------------------------------------
 def _row(tokens: list[int], r: int, adv: float = 1.0, step: int = 0) -> TrainRow:
     return TrainRow(torch.tensor(tokens), r, torch.ones(r), -torch.arange(1.0, r + 1.0), adv, step)

@@ -154,6 +154,12 @@ METRICS: tuple[MetricSpec, ...] = (
     # -- the trainer ranks ----------------------------------------------------------------------------------
     _m("perf/trainer_tokens_per_s", "Tokens (prompt + response) per second inside the trainer ranks.", _RANK),
     _m("perf/trainer_step_s", "Seconds of the train command inside the trainer ranks.", _RANK),
+    _m(
+        "perf/trainer_pre_forward_s",
+        "Seconds of the no-grad forwards before training (π_old, π_ref); π_old's is skipped with one "
+        "optimizer step per rollout.",
+        _RANK,
+    ),
     _m("train/grad_norm", "Global gradient norm before clipping, mean over optimizer steps.", _RANK),
     _m("train/lr", "Learning rate.", _RANK),
     _m("train/optimizer_steps", "Optimizer steps in this rollout.", _RANK),

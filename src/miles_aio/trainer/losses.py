@@ -380,14 +380,18 @@ def micro_batch_loss(
     logits: torch.Tensor,
     mb: MicroBatch,
     *,
-    old_logp: torch.Tensor,
+    old_logp: torch.Tensor | None,
     settings: LossSettings,
     num_tokens: float,
     ref_logp: torch.Tensor | None = None,
 ) -> LossOutput:
     """`policy_loss` of one micro-batch from the policy's logits [B, T−1, V] (aligned to `mb.targets`).
+    `old_logp` None: π_old is the policy these logits come from (one optimizer step per rollout), so the
+    ratio is 1 and its value is this forward's own log-probs, detached.
     The entropy keeps its graph only when it is part of the loss (entropy_coef > 0)."""
     logp = token_log_probs(logits, mb.targets)
+    if old_logp is None:
+        old_logp = logp.detach()
     bonus = settings.entropy_coef > 0
     with torch.set_grad_enabled(bonus and torch.is_grad_enabled()):
         entropy = entropy_from_logits(logits if bonus else logits.detach())

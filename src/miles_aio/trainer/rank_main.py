@@ -187,12 +187,22 @@ class RankWorker:
         per_step = [[losses.collate(g).to(self.device) for g in split(sr)] for sr in step_rows]
         per_step = self._lockstep(per_step)
         # π_old: the proximal policy = these weights before this rollout's first update (unless the
-        # engine's log-probs stand in for it), and π_ref for the KL.
+        # engine's log-probs stand in for it), and π_ref for the KL. With one optimizer step per rollout
+        # every micro-batch is trained on exactly those weights, so the training forward's own log-probs
+        # (detached) are π_old and a separate forward pass for them would be redundant: `None` says so.
+        t_pre = time.monotonic()
         with torch.no_grad():
-            recompute = not cfg.use_rollout_logprobs
-            old = [self._logps(s) if recompute else [mb.rollout_logp for mb in s] for s in per_step]
             ref = [self._logps(s, ref=True) for s in per_step] if cfg.needs_ref_model else None
+            old: list[list[torch.Tensor | None]]
+            recomputed = False
+            if cfg.use_rollout_logprobs:
+                old = [[mb.rollout_logp for mb in s] for s in per_step]
+            elif len(per_step) == 1 and not self._advantages_need_old(ref):
+                old = [[None] * len(per_step[0])]
+            else:
+                old, recomputed = [list(self._logps(s)) for s in per_step], True
             self._token_advantages(per_step, old, ref)
+        pre_forward_s = time.monotonic() - t_pre if recomputed or ref is not None else 0.0
         sums: dict[str, float] = {}
         maxes: dict[str, float] = {}
         grad_norms: list[float] = []
@@ -239,13 +249,18 @@ class RankWorker:
             "train/optimizer_steps": float(len(per_step)),
             "perf/trainer_tokens_per_s": float(tokens) / max(wall, 1e-9),
             "perf/trainer_step_s": wall,
+            "perf/trainer_pre_forward_s": pre_forward_s,
         }
         return TrainReply(metrics=metrics)
+
+    def _advantages_need_old(self, ref: list[list[torch.Tensor]] | None) -> bool:
+        """reinforce_plus_plus folds KL(π_old ‖ π_ref) into the returns before the training forward."""
+        return self.cfg.advantage_estimator == "reinforce_plus_plus" and ref is not None
 
     def _token_advantages(
         self,
         per_step: list[list[losses.MicroBatch]],
-        old: list[list[torch.Tensor]],
+        old: list[list[torch.Tensor | None]],
         ref: list[list[torch.Tensor]] | None,
     ) -> None:
         """Token-level advantages, in place, over the whole rollout on all data-parallel ranks:
@@ -257,7 +272,8 @@ class RankWorker:
             flat_old = [t for s in old for t in s]
             flat_ref = [t for s in ref for t in s] if ref is not None else [None] * len(mbs)
             for mb, o, r in zip(mbs, flat_old, flat_ref, strict=True):
-                kl = None if r is None else losses.kl_estimate(o, r, cfg.kl_loss_type)  # as miles
+                assert r is None or o is not None  # `_advantages_need_old` kept π_old's forward
+                kl = None if r is None or o is None else losses.kl_estimate(o, r, cfg.kl_loss_type)
                 mb.advantages = losses.reinforce_pp_returns(
                     mb.advantages, mb.mask, kl=kl, kl_coef=cfg.kl_coef
                 )
