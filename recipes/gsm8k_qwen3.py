@@ -25,8 +25,16 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from miles_aio.config import RunConfig
-from miles_aio.errors import ConfigError
-from miles_aio.recipe import DefaultsWhen, NoOptions, Recipe, RecipeArgs, RunParts, main, open_run_parts
+from miles_aio.recipe import (
+    DefaultsWhen,
+    NoOptions,
+    Recipe,
+    RecipeArgs,
+    RunParts,
+    check_hf_checkpoint,
+    main,
+    open_run_parts,
+)
 
 DEFAULTS: dict[str, Any] = {
     # rollout: as miles' Qwen3 fully async examples
@@ -45,6 +53,8 @@ DEFAULTS: dict[str, Any] = {
     "rollout_backend": "sglang",
     "rollout_num_gpus": 4,
     "rollout_num_gpus_per_engine": 1,
+    # checkpoints (to <run-dir>/checkpoints unless --save): step_50, step_100, ..., step_300
+    "save_interval": 50,
     # eval on the shared engines
     "eval_interval": 10,
     "eval_temperature": 0.0,
@@ -71,25 +81,37 @@ MEGATRON_DEFAULTS = DefaultsWhen(
 """TP 2 is megatron's: `--train-backend fsdp` keeps TP 1 (FSDP has no tensor parallelism)."""
 
 
+def check(cfg: RunConfig, args: RecipeArgs[NoOptions]) -> None:
+    check_hf_checkpoint(cfg)  # --dry-run too: exit 2 naming the flag, before anything starts
+
+
 def build(cfg: RunConfig, args: RecipeArgs[NoOptions]) -> AbstractAsyncContextManager[RunParts]:
-    if cfg.train.hf_checkpoint is None:
-        raise ConfigError("the model to train", flags=["--hf-checkpoint"])
-    return open_run_parts(cfg, args, model_path=cfg.train.hf_checkpoint)
+    return open_run_parts(cfg, args, model_path=check_hf_checkpoint(cfg))
 
 
 def plan(cfg: RunConfig, args: RecipeArgs[NoOptions]) -> dict[str, Any]:
     t, e = cfg.train, cfg.engine
     trainer_gpus = t.actor_num_nodes * t.actor_num_gpus_per_node
     tp, pp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size
+    parallel = f"{t.train_backend}, TP {tp} × PP {pp} × DP {trainer_gpus // (tp * pp)}"
+    if t.actor_num_nodes > 1:
+        trainer = (
+            f"{t.actor_num_nodes} nodes × {t.actor_num_gpus_per_node} GPUs, ranks started by torchrun on "
+            f"each node, dialing {t.trainer_host}:{t.trainer_port or '<a free port>'} ({parallel})"
+        )
+    else:
+        trainer = f"0-{trainer_gpus - 1} ({parallel})"
+    if e.sglang_urls:
+        n = len(e.sglang_urls)
+        rollout = f"{n} SGLang server{'s' * (n > 1)} given by --sglang-urls (running, not launched)"
+    else:
+        gpus = f"{trainer_gpus}-{trainer_gpus + e.rollout_num_gpus - 1}"
+        rollout = f"{gpus} ({e.num_engines} SGLang engines × {e.rollout_num_gpus_per_engine} GPU)"
     return {
-        "gpus": {
-            "trainer": f"0-{trainer_gpus - 1} ({t.train_backend}, TP {tp} × PP {pp} "
-            f"× DP {trainer_gpus // (tp * pp)})",
-            "rollout": f"{trainer_gpus}-{trainer_gpus + e.rollout_num_gpus - 1} "
-            f"({e.num_engines} SGLang engines × {e.rollout_num_gpus_per_engine} GPU)",
-        },
+        "gpus": {"trainer": trainer, "rollout": rollout},
+        "engines": list(e.sglang_urls) if e.sglang_urls else "launched by this run, on this machine",
         "weight_sync": t.update_weight_transfer_mode,
-        "sglang_args": args.sglang_args,
+        "sglang_args": args.sglang_args if not e.sglang_urls else [],
         "eval_sglang_args": args.eval_sglang_args,
     }
 
@@ -101,6 +123,8 @@ RECIPE = Recipe(
     defaults_when=[MEGATRON_DEFAULTS],
     build=build,
     plan=plan,
+    check=check,
+    checkpoints_in_run_dir=True,  # <run-dir>/checkpoints unless --save, every --save-interval steps
 )
 
 

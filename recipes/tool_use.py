@@ -112,6 +112,7 @@ def prepare(cfg: RunConfig, args: RecipeArgs[quickstart.Options]) -> None:
             render=render,
             solve=solve,
             target_accuracy=args.options.warm_start_accuracy,
+            seed=args.options.warm_start_seed,
         )
 
 

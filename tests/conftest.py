@@ -37,6 +37,22 @@ def vrun() -> Callable[..., Any]:
     return run_virtual
 
 
+KINDS = ("pure", "vtime", "procs")  # the kind of a test: a marker (tests/README.md), not a folder
+# a test without a kind marker of its own (its module's `pytestmark`) gets one from the fixtures it uses
+_PROCS_FIXTURES = {"engine", "client", "engine_proc", "parity_server", "server_url", "server"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if any(item.get_closest_marker(k) for k in KINDS):
+            continue
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if fixtures & _PROCS_FIXTURES:
+            item.add_marker(pytest.mark.procs)
+        elif "vrun" in fixtures:
+            item.add_marker(pytest.mark.vtime)
+
+
 def _live_children() -> dict[int, str]:
     """Live (non-zombie) child processes of this pytest process: pid → command line."""
     import os

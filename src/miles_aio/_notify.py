@@ -21,6 +21,11 @@ class Notifier:
     def __init__(self) -> None:
         self._waiters: dict[asyncio.Future[None], None] = {}  # insertion-ordered: wakeups are FIFO
 
+    @property
+    def waiting(self) -> int:
+        """How many tasks wait for the next `notify()` now (a woken or cancelled one no longer counts)."""
+        return len(self._waiters)
+
     def notify(self) -> None:
         """Wake every current waiter, oldest first, so it re-checks its predicate."""
         waiters, self._waiters = self._waiters, {}

@@ -246,10 +246,23 @@ class EngineConfig:
     engine_max_restarts: int = opt(
         3, "Restarts of each launched engine whose process died, over the run (exponential backoff)."
     )
+    engine_flush_attempts: int = opt(
+        6,
+        "Tries of a push's /flush_cache per engine while it answers 400 (requests still running or "
+        "queued); then that engine is excluded from the push. All tries share --engine-admin-timeout-s.",
+    )
+    engine_flush_backoff_s: float = opt(
+        0.25, "Seconds before the second /flush_cache try; doubled for each further one, capped at 2 s."
+    )
 
     def __post_init__(self) -> None:
         _positive(self.engine_admin_timeout_s, "engine_admin_timeout_s")
         _positive(self.engine_max_restarts, "engine_max_restarts", zero_ok=True)
+        if self.engine_flush_attempts < 1:
+            raise ConfigError(
+                f"must be >= 1, got {self.engine_flush_attempts}", flags=["--engine-flush-attempts"]
+            )
+        _positive(self.engine_flush_backoff_s, "engine_flush_backoff_s", zero_ok=True)
         _positive(self.rollout_num_gpus, "rollout_num_gpus")
         _positive(self.rollout_num_gpus_per_engine, "rollout_num_gpus_per_engine")
         _positive(self.engine_num_threads, "engine_num_threads")

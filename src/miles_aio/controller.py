@@ -26,9 +26,16 @@ Tasks (all owned by `run()`'s TaskGroup):
                   (`miles_aio.rollout.agent.SessionServer`); answers agents until cancelled at the end.
   the body        the step loop: trains, pushes weights, saves, evaluates, logs metrics.
 
+Step numbers count steps done: step N is the N-th step (1-based), after which N steps are trained.
+Its metrics record has `step` N, the checkpoint saved after it is `step_N` (`latest` names N), the
+eval point on its weights has `eval/step` N (the point before training: 0), the ledger marks its
+groups `trained` with step N, its log lines carry step=N and its trace slice is "step N". A run
+resumed from `step_N` starts with step N+1. Intervals count the same way: --save-interval 100 of
+--num-rollout 300 saves step_100, step_200, step_300.
+
 The step loop (`_step_loop`, one `_step` per step; each phase timed by the step's `StepClock`):
 
-    for step in range(start, num_rollout):
+    for step in range(start + 1, num_rollout + 1):
         batch = the drain of step (started one step ahead)    # wait_data
         start the drain of step + 1
         train(step, batch)                                     # train
@@ -142,7 +149,7 @@ class Controller:
         self.source = source.bind_tokenizer(tokenizer, cfg.rollout.rollout_max_prompt_len)
         # the step loop's own state
         self.version: int | None = None
-        self.start_step = 0
+        self.start_step = 0  # the steps done when the run starts: N when resumed from step_N
         self.stopped = False
         self._worker_error: BaseException | None = None
         self._weights_ahead = False
@@ -150,6 +157,9 @@ class Controller:
         self._next_drain: asyncio.Task[list[BufferItem]] | None = None
         self._draining: list[BufferItem] = []  # groups the current drain has taken so far
         self._saved_step = -1  # a stop right after a periodic save does not save the same step again
+        self._saved_dir: Path | None = None  # that checkpoint's directory (saved, or resumed from)
+        self.saved_this_run = False  # whether this run saved a checkpoint (not only resumed from one)
+        self._last_step = 0  # the steps done so far (the number of the last finished step)
         self._drained_metrics: dict[int, dict[str, float]] = {}  # buffer window of each step's drain
         self._stop = asyncio.Event()
 
@@ -302,30 +312,30 @@ class Controller:
 
     # -- the step loop --------------------------------------------------------------------------------
     async def _step_loop(self, tg: asyncio.TaskGroup, summary: RunSummary) -> None:
-        """The steps from `start_step` (the module docstring). A stop ends the loop between two steps:
+        """The steps after `start_step` (the module docstring). A stop ends the loop between two steps:
         during a step's wait for its batch (`_StopRequested`: the step never begins), or after the step
         in progress (saved before its record); the newest finished step is saved, unless it is already."""
-        first = self.start_step
-        last = first - 1  # the newest finished step
-        self._next_drain = self._start_drain(tg, first)
+        self._last_step = summary.steps = self.start_step  # steps done, those resumed from included
+        self._next_drain = self._start_drain(tg, self.start_step + 1)
         try:
-            for step in range(first, self.cfg.driver.num_rollout):
+            for step in range(self.start_step + 1, self.cfg.driver.num_rollout + 1):
                 await self._step(tg, step, summary)
-                last = step
-                if self._stop_pending(done=step + 1):
+                self._last_step = step
+                if self._stop_pending(done=step):
                     raise _StopRequested  # requested during the step, which ended saved and logged
         except _StopRequested:
-            await self._save_at_stop(last)
+            await self._save_at_stop(self._last_step)
 
     async def _step(self, tg: asyncio.TaskGroup, step: int, summary: RunSummary) -> None:
-        """One step; `_StopRequested` when a stop cancels the wait for its batch."""
-        done, clock = step + 1, StepClock(asyncio.get_running_loop().time)
+        """Step number `step` (`step` steps are done after it); `_StopRequested` when a stop cancels
+        the wait for its batch."""
+        clock = StepClock(asyncio.get_running_loop().time)
         self.ledger.flush()  # the previous step's fates reach the file (a failed write raises here)
         self.obs.begin_step(step, self.version)
         assert self._next_drain is not None
         with clock.phase("wait_data"):
             batch = await self._finish_drain(self._next_drain)
-        self._next_drain = self._start_drain(tg, done)
+        self._next_drain = self._start_drain(tg, step + 1)
         groups = [it.group for it in batch]
         metrics = rollout_batch_metrics(groups, version=self.version, reward_key=self.cfg.train.reward_key)
         metrics |= self.source.get_metrics()
@@ -334,21 +344,21 @@ class Controller:
             self._weights_ahead = True  # trained weights not pushed yet: a checkpoint now is one version on
             for item in batch:
                 self.ledger.record("trained", item.group_index, step=step)
-        if self._push_due(done):  # the run ends on pushed weights
-            await self._push_after_barrier(done, clock)
-        stopping = self._stop_pending(done)
+        if self._push_due(step):  # the run ends on pushed weights
+            await self._push_after_barrier(step, clock)
+        stopping = self._stop_pending(step)
         if stopping:
             await self._save_at_stop(step)  # saved before its metrics record, as every saved step
-        elif self._save_due(done):
+        elif self._save_due(step):
             await self.save(step)
-        if not stopping and self.evals.due(done):
+        if not stopping and self.evals.due(step):
             with clock.phase("eval"):
-                await self.evals.wait_before_push(steps_done=done)
-            self.evals.dispatch(tg, steps_done=done, version=self.version or 0)
-            self.obs.eval_dispatched(done)
-        if done == self.cfg.driver.num_rollout:
+                await self.evals.wait_before_push(steps_done=step)
+            self.evals.dispatch(tg, steps_done=step, version=self.version or 0)
+            self.obs.eval_dispatched(step)
+        if step == self.cfg.driver.num_rollout:
             with clock.phase("eval"):
-                await self.evals.wait_before_push(steps_done=done)  # the last point lands in the last record
+                await self.evals.wait_before_push(steps_done=step)  # the last point lands in the last record
         await self._record(step, groups, metrics, clock, summary)
 
     async def _push_after_barrier(self, done: int, clock: StepClock) -> None:
@@ -384,7 +394,7 @@ class Controller:
             start=clock.start,
             train_start=clock.began["train"],
         )
-        summary.steps, summary.last_metrics = step + 1, metrics
+        summary.steps, summary.last_metrics = step, metrics
         summary.step_times_s.append(times.step_s)
 
     def _push_due(self, done: int) -> bool:
@@ -404,12 +414,21 @@ class Controller:
         return self._stop.is_set() and done < self.cfg.driver.num_rollout
 
     @property
+    def steps_done(self) -> int:
+        """The steps trained so far, counting those of the checkpoint the run resumed from."""
+        return self._last_step
+
+    @property
     def last_checkpoint_step(self) -> int | None:
-        """The step of the newest complete checkpoint of this run: saved by it, else the one it resumed
-        from; None if there is none (what a stop that skips its save leaves `--load` to resume from)."""
-        if self._saved_step >= 0:
-            return self._saved_step
-        return self.start_step - 1 if self.cfg.driver.load is not None else None
+        """The N of the newest complete checkpoint `step_N` of this run: saved by it, else the one it
+        resumed from; None if there is none (what a stop that skips its save leaves `--load` to resume
+        from)."""
+        return self._saved_step if self._saved_step >= 0 else None
+
+    @property
+    def last_checkpoint_dir(self) -> Path | None:
+        """The directory of `last_checkpoint_step` (None without one)."""
+        return self._saved_dir
 
     def request_stop(self) -> None:
         """Finish the current step, save a checkpoint (with --save), and return (SIGINT/SIGTERM)."""
@@ -419,9 +438,9 @@ class Controller:
             self._next_drain.cancel()  # waiting for data ends now; what it drained is kept for the save
 
     async def _save_at_stop(self, last_step: int) -> None:
-        """The run stops after `last_step`: save it (with --save), unless it is saved already."""
+        """The run stops after step `last_step`: save it (with --save), unless it is saved already."""
         self.stopped = True
-        if self.cfg.driver.save is not None and last_step >= 0 and last_step != self._saved_step:
+        if self.cfg.driver.save is not None and last_step > 0 and last_step != self._saved_step:
             await self.save(last_step)
 
     # -- the producer and the drains -------------------------------------------------------------------
@@ -437,7 +456,7 @@ class Controller:
 
     def _start_drain(self, tg: asyncio.TaskGroup, step: int) -> asyncio.Task[list[BufferItem]] | None:
         """Start draining `step`'s batch (one step ahead of training); None past the last step."""
-        if step >= self.cfg.driver.num_rollout:
+        if step > self.cfg.driver.num_rollout:
             return None
         return tg.create_task(self._drain(step), name=f"drain-{step}")
 
@@ -526,7 +545,8 @@ class Controller:
         self.obs.version_pushed(version)
 
     async def save(self, step: int) -> None:
-        """Trainer state plus everything the controller needs to resume without losing a group."""
+        """`step_<step>` (the weights after `step` steps): trainer state plus everything the controller
+        needs to resume without losing a group."""
         assert self.cfg.driver.save is not None
         carry = await self._batch_to_carry()
         # The commit order (see miles_aio.checkpoint): every file, fsynced, then `latest` last. A crash
@@ -536,14 +556,14 @@ class Controller:
         fault_point("save:begin")
         await self.trainer.save(step, directory)  # the trainer's files, fsynced
         if self.cfg.eval.save_hf is not None:  # eval modes 2/3 may reuse it as their snapshot
-            await save_hf_checkpoint(self.trainer, self.cfg.eval.save_hf, step + 1)
+            await save_hf_checkpoint(self.trainer, self.cfg.eval.save_hf, step)
         fault_point("save:trainer_saved")
         # no await from here on: the state, the ledger's open groups and its marker are one instant
         in_flight = self.worker.pending_prompt_groups()
         marker = self.ledger.checkpoint(step)  # written and fsynced
         fault_point("save:ledger_marked")
         state = ControllerState(
-            step=step,
+            steps_done=step,
             version=(self.version or 0) + int(self._weights_ahead),
             data_source=self.source.state_dict(),
             buffer=self.buffer.state_dict(),
@@ -555,7 +575,7 @@ class Controller:
         fault_point("save:state_written")
         publish_latest(save_dir, step)  # the commit point
         fault_point("save:latest_published")
-        self._saved_step = step
+        self._saved_step, self._saved_dir, self.saved_this_run = step, directory, True
         log.info("saved checkpoint", step=step, path=str(directory))
 
     async def _batch_to_carry(self) -> list[BufferItem]:
@@ -577,15 +597,22 @@ class Controller:
         self.source.load_state_dict(state.data_source)
         self.buffer.load_state_dict(state.buffer)
         self._carry = list(state.carry)
-        self.start_step, self.version = state.step + 1, state.version
+        self.start_step, self.version = state.steps_done, state.version
+        self._last_step = state.steps_done
         restored = [*self._carry, *buffered_items(state.buffer)]
         self.worker.restore(restored, state.in_flight, start_step=self.start_step, version=self.version)
         self.ledger.resume(
-            state.step,
+            state.marker_step,
             {it.group_index for it in restored} | {g[0].group_index for g in state.in_flight},
             checkpoint=state.ledger_checkpoint,
         )
-        self._saved_step = state.step  # a stop before the next step must not re-save (overwrite) it
+        # a stop before the next step must not re-save (overwrite) it
+        self._saved_step, self._saved_dir = state.steps_done, directory
         log.info(
-            "resumed", from_step=state.step, version=self.version, carry=len(self._carry), path=str(directory)
+            "resumed",
+            from_step=state.steps_done,
+            next_step=state.steps_done + 1,
+            version=self.version,
+            carry=len(self._carry),
+            path=str(directory),
         )

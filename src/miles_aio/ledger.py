@@ -3,7 +3,9 @@
 Fates: `admitted`; then exactly one of `trained` (with step), `filtered` (dynamic filter, with reason),
 `dropped` (unused handler `drop`, with reason), `recycled` (unused handler `retry`: the same group_id is
 admitted again later), `failed` (user code raised under a drop policy); or `pending_at_exit` for
-groups still in flight or buffered when the run stops.
+groups still in flight or buffered when the run stops. Steps are numbered as everywhere in a run: the
+step that makes N steps done is step N (`trained` with step 1 is the first step's), and a checkpoint
+marker's step is the N of its `step_N` (`pending_at_exit` carries the steps done at the exit).
 
 Checkpoints and resume: a save writes a `{"event": "checkpoint", "step": s, "id": c}` line followed by
 one `checkpointed_pending` line per open group (in flight, buffered, or drained but not yet trained),

@@ -2,7 +2,8 @@
 
 Writes `reward.png` (reward and held-out accuracy when evaluated), `learning.png` (accuracy, reward
 and staleness together), `staleness.png`, `bubbles.png` (trainer idle and rollout blocked ratios) and
-`throughput.png` (tokens/s) next to the metrics. Eval points are drawn at the step they evaluated.
+`throughput.png` (tokens/s) next to the metrics. The x axis is steps done (the metrics' `step`); eval
+points are drawn at the step whose weights they evaluated (`eval/step`: 0 before training).
 
 Staleness has two measures: consume staleness (`rollout/fully_async/*`, at drain time, the one the
 `--max-*-staleness` bounds are stated in) and train staleness (`rollout/train_staleness_*`, against the
@@ -88,7 +89,7 @@ def plot_run(run_dir: Path, out_dir: Path | None = None, *, buffer: str | None =
         fig, ax = plt.subplots(figsize=(7, 3.5))
         for label, (xs, ys) in series.items():
             ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=label)
-        ax.set_xlabel("step")
+        ax.set_xlabel("steps done")
         ax.set_title(f"{run_dir.name}: {name}")
         ax.grid(alpha=0.3)
         if series:
@@ -158,7 +159,7 @@ def _learning_figure(
         bottom.legend(fontsize=8)
     if note:
         _note(bottom, note)
-    bottom.set_xlabel("step")
+    bottom.set_xlabel("steps done")
     bottom.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

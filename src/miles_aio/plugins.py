@@ -25,6 +25,21 @@ class Plugins:
     buffer_cls: type[Any]
 
 
+def check_call_shape(fn: Any, path: str, flag: str, *, shape: str, nargs: int) -> None:
+    """ConfigError naming `flag` unless `fn` accepts the `nargs` positional arguments it is called with
+    (`shape` says which): a wrong signature is found before anything starts, not by every sample."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read (some builtins and extension callables)
+        return
+    try:
+        signature.bind(*range(nargs))
+    except TypeError as e:
+        raise ConfigError(
+            f"{path!r} has the signature {signature}, but it is called as {shape} ({e})", flags=[flag]
+        ) from None
+
+
 def resolve_plugins(cfg: RunConfig) -> Plugins:
     """Import every plug-in path of the config; a bad path is a ConfigError naming its flag."""
     from miles_aio.buffer import DataBuffer, DefaultDataBuffer
@@ -70,6 +85,13 @@ def resolve_plugins(cfg: RunConfig) -> Plugins:
                 "function fn(ctx, group) -> bool | (keep, reason) (await in the reward function instead)",
                 flags=["--dynamic-sampling-filter-path"],
             )
+        check_call_shape(
+            filter_fn,
+            r.dynamic_sampling_filter_path,
+            "--dynamic-sampling-filter-path",
+            shape="fn(ctx, group)",
+            nargs=2,
+        )
     post = cfg.train.custom_reward_post_process_path
     if post:  # the trainer loads it when it starts; a bad path exits 2 here, before anything starts
         fn = load(post, "--custom-reward-post-process-path", coroutine=False)
@@ -78,14 +100,28 @@ def resolve_plugins(cfg: RunConfig) -> Plugins:
                 f"{post!r} must be a plain function fn(args, samples) -> (raw_rewards, rewards)",
                 flags=["--custom-reward-post-process-path"],
             )
+        check_call_shape(fn, post, "--custom-reward-post-process-path", shape="fn(args, samples)", nargs=2)
     generate_path = r.custom_generate_function_path
     if r.custom_agent_function_path is not None:  # agent sessions: checked now, exit 2 before anything starts
         from miles_aio.rollout.agent import check_agent_config
 
         generate_path = check_agent_config(cfg)
+    generate_fn = load(generate_path, "--custom-generate-function-path", coroutine=True)
+    check_call_shape(
+        generate_fn,
+        generate_path,
+        "--custom-generate-function-path",
+        shape="await generate(ctx, sample, sampling_params)",
+        nargs=3,
+    )
+    reward_fn = None
+    if r.custom_rm_path:
+        reward_fn = load(r.custom_rm_path, "--custom-rm-path", coroutine=True)
+        shape = "await reward(ctx, samples) (--group-rm)" if r.group_rm else "await reward(ctx, sample)"
+        check_call_shape(reward_fn, r.custom_rm_path, "--custom-rm-path", shape=shape, nargs=2)
     return Plugins(
-        generate_fn=load(generate_path, "--custom-generate-function-path", coroutine=True),
-        reward_fn=load(r.custom_rm_path, "--custom-rm-path", coroutine=True) if r.custom_rm_path else None,
+        generate_fn=generate_fn,
+        reward_fn=reward_fn,
         dynamic_filter_fn=filter_fn,
         buffer_cls=buffer_cls,
     )

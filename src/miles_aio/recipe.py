@@ -45,11 +45,12 @@ from miles_aio.cli import (
 from miles_aio.config import RunConfig, log_config_warnings, resolve
 from miles_aio.controller import Controller, RunSummary
 from miles_aio.data.source import DataSource, PromptRecord, read_prompt_jsonl
-from miles_aio.errors import ConfigError
+from miles_aio.errors import ConfigError, format_run_error
 from miles_aio.eval.external import eval_fn_class
 from miles_aio.eval.fleet import open_eval_engines
 from miles_aio.inference.base import InferenceEngine
 from miles_aio.inference.engines import check_in_place_prefix_cache
+from miles_aio.inference.sglang_args import check_sglang_args
 from miles_aio.logs import configure_logging
 from miles_aio.observability.hooks import resolve_log_hooks
 from miles_aio.observability.progress import ProgressSink
@@ -130,6 +131,24 @@ class Recipe(Generic[OptionsT]):
     """Extra lines for the --dry-run plan (processes, engines, devices)."""
     checkpoints_in_run_dir: bool = False
     """Without --save, checkpoint to <run-dir>/checkpoints (every --save-interval steps and at the end)."""
+    check: Callable[[RunConfig, RecipeArgs[OptionsT]], None] | None = None
+    """The recipe's own checks of the resolved config (ConfigError naming the flags), run before anything
+    starts, by --dry-run too: e.g. that --hf-checkpoint names a model directory."""
+
+
+def check_hf_checkpoint(cfg: RunConfig) -> Path:
+    """`--hf-checkpoint` for a recipe that trains it: given, and an HF model directory on this machine
+    (config.json beside the weights), else a ConfigError naming the flag (exit 2 before anything
+    starts, instead of an engine or a trainer rank failing to load it minutes later)."""
+    path = cfg.train.hf_checkpoint
+    what = "the HF model directory to train (config.json + safetensors)"
+    if path is None:
+        raise ConfigError(f"is required: {what}", flags=["--hf-checkpoint"])
+    if not path.is_dir():
+        raise ConfigError(f"{path} is not a directory; give {what}", flags=["--hf-checkpoint"])
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{path} has no config.json; give {what}", flags=["--hf-checkpoint"])
+    return path
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -336,6 +355,9 @@ def main(recipe: Recipe[OptionsT], argv: Sequence[str] | None = None) -> RunSumm
         parsed = parse_recipe(recipe, argv, parser=parser)
         cfg, args = parsed.cfg, parsed.args
         check_in_place_prefix_cache(cfg, args.sglang_args)
+        sglang_warnings = check_sglang_args(cfg, args.sglang_args, args.eval_sglang_args)
+        if recipe.check is not None:
+            recipe.check(cfg, args)
         plugins = resolve_plugins(cfg)
         resolve_log_hooks(cfg)  # a bad --custom-*-log-function-path exits 2 before anything starts
         if cfg.eval.eval_function_path:
@@ -347,8 +369,10 @@ def main(recipe: Recipe[OptionsT], argv: Sequence[str] | None = None) -> RunSumm
             check_writable_dir(cfg.driver.save, "--save")
     except ConfigError as e:
         config_error_exit(parser, e)
-    configure_logging(parsed.log_format, parsed.log_level)
+    configure_logging(parsed.log_format, parsed.log_level)  # to stderr: stdout is --dry-run's plan only
     log_config_warnings(cfg)  # once, here: validation itself never logs
+    for warning in sglang_warnings:
+        log.warning(warning, sglang_args=list(args.sglang_args))
     d = cfg.driver
     if d.load is not None and not has_checkpoint(d.load):
         # miles' `--load X --save X` on its first run starts fresh; any other --load without a checkpoint
@@ -363,7 +387,7 @@ def main(recipe: Recipe[OptionsT], argv: Sequence[str] | None = None) -> RunSumm
         plan["eval"] = {name: len(recs) for name, recs in eval_datasets.items()} | {
             "interval": cfg.driver.eval_interval
         }
-        sys.stdout.write(json.dumps(plan, indent=2) + "\n")
+        sys.stdout.write(plan_json(plan) + "\n")
         return None
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     if recipe.prepare is not None:
@@ -372,6 +396,10 @@ def main(recipe: Recipe[OptionsT], argv: Sequence[str] | None = None) -> RunSumm
         return asyncio.run(_run(recipe, cfg, args, plugins, records, eval_datasets))
     except ConfigError as e:  # found once engines answer (e.g. what servers given by URL run with)
         config_error_exit(parser, e)
+    except Exception as e:  # the run failed: a short report, the cause on its last line (errors.py)
+        sys.stderr.write(format_run_error(e))
+        sys.stderr.flush()
+        raise SystemExit(1) from None
 
 
 async def _run(
@@ -409,30 +437,76 @@ async def _run(
                 eval_datasets=eval_datasets,
                 eval_engine=eval_engine,
             )
-            stopper.controller = controller
+            stopper.controller = stopper.ran = controller
             try:
                 summary = await controller.run()
             finally:
                 stopper.controller = None
     except asyncio.CancelledError:
-        if stopper.received:  # a signal outside the steps (start-up, teardown): everything is down
+        if stopper.received:  # a signal outside the steps (start-up, teardown), or a second one: all down
+            log.warning(stop_line(cfg, stopper.ran, stopper.received[0], save_skipped=True))
             raise SystemExit(128 + stopper.received[0]) from None
         raise
     finally:
         stopper.remove()
+    stopped = controller.stopped and bool(stopper.received)
     pngs = plot_run(cfg.run_dir, buffer=cfg.buffer.custom_async_data_buffer_path)
     log.info(
-        "run finished",
-        steps=summary.steps,
+        "run stopped" if stopped else "run finished",
+        steps=controller.steps_done,
         version=summary.version,
         wall_s=round(summary.wall_s, 2),
         run_dir=str(cfg.run_dir),
         ledger=summary.ledger_counts,
         plots=[p.name for p in pngs],
     )
-    if controller.stopped and stopper.received:
-        raise SystemExit(128 + stopper.received[0])  # stopped by a signal: checkpoint saved, children gone
+    if stopped:  # stopped by a signal: checkpoint saved, children gone; the last line says where
+        log.warning(stop_line(cfg, controller, stopper.received[0]))
+        raise SystemExit(128 + stopper.received[0])
     return summary
+
+
+def plan_json(plan: Mapping[str, Any]) -> str:
+    """The --dry-run plan as JSON, non-ASCII as itself ("TP 2 × DP 2", not "\\u00d7") unless stdout
+    cannot encode it."""
+    text = json.dumps(plan, indent=2, ensure_ascii=False)
+    try:
+        text.encode(sys.stdout.encoding or "utf-8")
+    except (UnicodeEncodeError, LookupError):
+        return json.dumps(plan, indent=2)
+    return text
+
+
+def stop_line(
+    cfg: RunConfig, controller: Controller | None, signum: int, *, save_skipped: bool = False
+) -> str:
+    """The last line of a run a signal stopped: how far it got, and what it saved where (or why not).
+
+    `save_skipped`: the run was cancelled (a second signal, or one while engines start or stop), so the
+    stop's own save did not happen; `controller` is None when the steps never started."""
+    name, total = signal.Signals(signum).name, cfg.driver.num_rollout
+    if controller is None:
+        return f"stopped before the first step of {total} ({name}); nothing saved: the run had not started"
+    done = controller.steps_done
+    head = f"stopped early at step {done} of {total} ({name})" if done < total else f"stopped ({name})"
+    last, where = controller.last_checkpoint_step, controller.last_checkpoint_dir
+    resumes = ""
+    if last is not None and where is not None:
+        load = cfg.driver.save if controller.saved_this_run else where
+        resumes = f"`--load {load}` resumes with step {last + 1}"
+    if last == done and where is not None:
+        if controller.saved_this_run:
+            return f"{head}; saved {where} ({resumes})"
+        return f"{head}; nothing new to save: no step finished since {where} was loaded ({resumes})"
+    if cfg.driver.save is None:
+        why = "nothing saved: no --save given"
+    elif save_skipped:
+        why = "nothing saved: a second signal skipped the save"
+    elif done == controller.start_step:
+        why = "nothing saved: no step finished"
+    else:
+        why = "nothing saved"
+    return f"{head}; {why}" + (f"; {resumes}" if resumes else "")
 
 
 class _Stopper:
@@ -443,6 +517,7 @@ class _Stopper:
     def __init__(self) -> None:
         self.loop, self.task = asyncio.get_running_loop(), asyncio.current_task()
         self.controller: Controller | None = None
+        self.ran: Controller | None = None  # the controller of the run, once its steps started
         self.received: list[int] = []
         for sig in (signal.SIGINT, signal.SIGTERM):
             self.loop.add_signal_handler(sig, self._handle, int(sig))

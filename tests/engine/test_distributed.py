@@ -92,7 +92,7 @@ def test_the_group_listens_on_loopback_only(group: Any, engine: Any) -> None:
     import ipaddress
     import os
 
-    from tests.reliability.test_exposure import listening_sockets
+    from tests.core.test_exposure import listening_sockets
 
     for pid in (os.getpid(), engine.pid):
         sockets = listening_sockets(pid)

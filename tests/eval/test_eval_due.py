@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from miles_aio.eval.dispatcher import EvalDispatcher
 from miles_aio.eval.snapshot_dispatcher import SnapshotEvalDispatcher
+
+pytestmark = pytest.mark.pure
 
 UNUSED: Any = None  # due() reads only the schedule
 

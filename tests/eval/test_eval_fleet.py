@@ -22,6 +22,8 @@ from miles_aio.plugins import resolve_plugins
 from miles_aio.testing import FakeLatencyEngine, FakeTrainer, LogNormalLatency
 from tests.helpers import make_config, make_source
 
+pytestmark = pytest.mark.procs
+
 ALPHABET = "0123456789+= prompt"
 
 

@@ -24,7 +24,7 @@ from miles_aio.testing import FakeTokenizer
 from miles_aio.testing.sglang_stub_server import SGLangStubServer
 from tests.helpers import make_config
 
-pytestmark = pytest.mark.timeout(20)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(20)]
 
 FAST = RouterPolicy(health_check_interval_s=0.05, retry_backoff_s=0.01, flush_backoff_s=0.01)
 DATASETS = {"arith": [PromptRecord(f"prompt {i}", label=str(i)) for i in range(3)]}

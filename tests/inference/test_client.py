@@ -16,6 +16,8 @@ from miles_aio.testing.sglang_stub_server import SGLangStubServer, load_sglang_a
 from miles_aio.types import FinishReason, GenerateOutput, Sample
 from tests.inference.helpers import expected_tokens, recorded
 
+pytestmark = pytest.mark.procs
+
 PROMPT = [11, 12, 13]
 
 

@@ -23,7 +23,7 @@ import pytest
 from miles_aio.inference.client import AiohttpTransport, SGLangClient
 from miles_aio.testing.sglang_stub_server import load_sglang_api_types
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(60)]
 
 SGLANG_URL_ENV = "MILES_AIO_SGLANG_URL"
 PROMPT = [5, 6, 7, 8]

@@ -16,6 +16,8 @@ from miles_aio.inference.engines import check_in_place_prefix_cache, open_engine
 from miles_aio.testing.sglang_stub_server import SGLangStubServer
 from tests.helpers import make_config
 
+pytestmark = pytest.mark.procs
+
 
 def test_launched_sglang_with_in_place_needs_the_radix_cache_off() -> None:
     cfg = make_config(rollout_backend="sglang", pause_generation_mode="in_place")

@@ -17,6 +17,8 @@ from miles_aio.testing.sglang_stub_server import SGLangStubServer
 from miles_aio.types import GenerateOutput
 from tests.inference.helpers import expected_tokens, recorded
 
+pytestmark = pytest.mark.procs
+
 PROMPT = [40, 41, 42]
 BUDGET = 40
 PARAMS = {"max_new_tokens": BUDGET, "temperature": 1.0, "min_new_tokens": 30}

@@ -22,6 +22,8 @@ from miles_aio.testing.sglang_stub_server import SGLangStubServer
 from miles_aio.types import GenerateOutput
 from tests.inference.helpers import StubProcess, expected_tokens, recorded, script, stub_processes
 
+pytestmark = pytest.mark.procs
+
 PROMPT = [1, 2, 3]
 FAST = RouterPolicy(health_check_interval_s=0.05, retry_backoff_s=0.01, flush_backoff_s=0.01)
 

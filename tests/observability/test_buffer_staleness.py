@@ -21,7 +21,7 @@ from miles_aio.types import BufferItem, Sample, group_staleness
 from tests.helpers import make_config
 from tests.observability._run import run_controller
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.vtime, pytest.mark.timeout(30)]
 
 
 class QuietFifo(DataBuffer):

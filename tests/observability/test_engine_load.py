@@ -16,7 +16,7 @@ from miles_aio.plugins import resolve_plugins
 from miles_aio.testing import FakeLatencyEngine, FakeTokenizer, FakeTrainer, LogNormalLatency
 from tests.helpers import make_config, make_source
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.vtime, pytest.mark.timeout(30)]
 
 
 class InfoClient:

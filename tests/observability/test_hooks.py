@@ -15,7 +15,7 @@ from miles_aio.types import Sample
 from tests.helpers import make_config
 from tests.observability._run import RecordingSink, run_controller
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.vtime, pytest.mark.timeout(30)]
 
 ROLLOUT_CALLS: list[tuple[int, SimpleNamespace, list[Sample], dict[str, float], float]] = []
 EVAL_CALLS: list[tuple[int, SimpleNamespace, dict[str, Any], dict[str, float]]] = []
@@ -25,7 +25,7 @@ def log_rollout_data(
     rollout_id: int, args: SimpleNamespace, samples: list[Sample], extra: dict[str, float], seconds: float
 ) -> bool:
     ROLLOUT_CALLS.append((rollout_id, args, samples, dict(extra), seconds))
-    return rollout_id % 2 == 0  # steps 0, 2, ...: skip the default logging
+    return rollout_id % 2 == 0  # steps 2, 4, ...: skip the default logging
 
 
 async def log_eval_rollout_data(
@@ -52,7 +52,7 @@ def test_rollout_hook_gets_each_steps_batch_and_true_skips_the_sinks(vrun: Any, 
         n_samples_per_prompt=3,
         custom_rollout_log_function_path=f"{__name__}:log_rollout_data",
     )
-    assert [c[0] for c in ROLLOUT_CALLS] == [0, 1, 2, 3]
+    assert [c[0] for c in ROLLOUT_CALLS] == [1, 2, 3, 4]  # step N: N steps done
     for _step, args, samples, extra, seconds in ROLLOUT_CALLS:
         assert args.rollout_batch_size == 2 and args.n_samples_per_prompt == 3  # miles-style flat args
         assert args.config.rollout.rollout_batch_size == 2 and args.run_dir == tmp_path / "run"
@@ -61,14 +61,14 @@ def test_rollout_hook_gets_each_steps_batch_and_true_skips_the_sinks(vrun: Any, 
         # miles' rollout_time: the drain, i.e. the time this step waited for its batch
         idle = extra["perf/trainer_idle_ratio"] * extra["perf/step_time_s"]
         assert seconds == pytest.approx(idle, abs=1e-6) and seconds < extra["perf/step_time_s"]
-    assert [step for step, _ in sink.records] == [0, 1, 2, 3]
+    assert [step for step, _ in sink.records] == [1, 2, 3, 4]
     for step, record in sink.records:  # True (even steps) took over the rollout data only, as in miles
         has_rollout = any(k.startswith("rollout/") for k in record)
         assert has_rollout == (step % 2 == 1), step
         assert "perf/step_time_s" in record  # the rest of the step is still logged
     assert sink.closed
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(x)["step"] for x in lines] == [0, 1, 2, 3]  # the run's record is always written
+    assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4]  # the run's record is always written
 
 
 def test_eval_hook_per_point_and_true_keeps_eval_metrics_from_the_sinks(vrun: Any, tmp_path: Path) -> None:
@@ -125,5 +125,5 @@ def test_a_raising_hook_is_logged_and_the_default_logging_kept(vrun: Any, tmp_pa
         num_rollout=2,
         custom_rollout_log_function_path=f"{__name__}:raising_hook",
     )
-    assert [step for step, _ in sink.records] == [0, 1]
+    assert [step for step, _ in sink.records] == [1, 2]
     assert all("rollout/samples" in record for _, record in sink.records)

@@ -19,7 +19,7 @@ from miles_aio.rollout.context import RolloutContext
 from miles_aio.types import Sample
 from tests.observability._run import run_controller
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.vtime, pytest.mark.timeout(30)]
 
 
 def run_of(steps: list[list[float]], n: int = 3) -> list[bool]:
@@ -84,7 +84,7 @@ def test_a_run_on_a_constant_reward_warns_once(vrun: Any, tmp_path: Path) -> Non
         )
     warned = [e for e in logs if e["log_level"] == "warning" and "no learning signal" in e["event"]]
     assert len(warned) == 1
-    assert warned[0]["step"] == CONSTANT_REWARD_STEPS - 1
+    assert warned[0]["step"] == CONSTANT_REWARD_STEPS  # the step that makes the streak that long
     assert warned[0]["event"].startswith(f"Every reward was 0 for {CONSTANT_REWARD_STEPS} steps in a row")
 
 

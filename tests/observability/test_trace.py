@@ -22,7 +22,7 @@ from miles_aio.observability.trace import (
 from miles_aio.types import GenerateOutput
 from tests.observability._run import run_controller
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.vtime, pytest.mark.timeout(30)]
 
 
 def check_nesting(events: list[dict[str, Any]]) -> None:
@@ -65,7 +65,7 @@ def test_run_writes_a_valid_perfetto_trace(vrun: Any, tmp_path: Path) -> None:
     by_name: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for e in slices:
         by_name[e["name"]].append(e)
-    assert {f"step {i}" for i in range(4)} <= set(by_name)
+    assert {f"step {i}" for i in range(1, 5)} <= set(by_name)
     assert len(by_name["push weights"]) == 5  # the initial push and one per step
     for sub in ("pause", "transfer", "continue"):
         assert len(by_name[sub]) == 5
@@ -161,7 +161,7 @@ def test_step_loop_log_lines_carry_step_and_version(vrun: Any, tmp_path: Path) -
     with structlog.testing.capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
         run_controller(vrun, tmp_path / "run", num_rollout=2)
     steps = [e for e in logs if e["event"] == "step"]
-    assert [(e["step"], e["version"]) for e in steps] == [(0, 2), (1, 3)]
+    assert [(e["step"], e["version"]) for e in steps] == [(1, 2), (2, 3)]  # step N: N steps done
     assert "step" not in structlog.contextvars.get_contextvars()  # unbound at the end of the run
 
 

@@ -11,10 +11,10 @@ import pytest
 
 from miles_aio.observability.trace import CONTROLLER_PID, SEGMENT_GAP_S, Tracer, merge_segments, read_trace
 from miles_aio.testing import FakeTrainer
-from tests.async_.test_resume import controller  # the same killable, resumable run
+from tests.core.test_resume import controller  # the same killable, resumable run
 from tests.observability.test_trace import check_nesting
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.vtime, pytest.mark.timeout(60)]
 
 
 def steps_traced(events: list[dict[str, Any]]) -> list[int]:
@@ -26,19 +26,19 @@ def test_a_resumed_run_keeps_the_trace_of_the_steps_before_it(vrun: Any, tmp_pat
 
     async def killed() -> None:
         with pytest.raises(TimeoutError):
-            async with asyncio.timeout(8.5):  # dies after the step-5 checkpoint, before step 8
+            async with asyncio.timeout(8.5):  # dies after the step_6 checkpoint, before step 9
                 await controller(tmp_path, first).run()
 
     vrun(killed())
     trace = tmp_path / "run" / "trace.json"
     before = read_trace(trace)
     first_steps = steps_traced(before)
-    assert first_steps and max(first_steps) >= 5
+    assert first_steps and max(first_steps) >= 6
     saved = int((tmp_path / "ckpt" / "latest").read_text())
 
     vrun(controller(tmp_path, FakeTrainer(step_time_s=1.0), load=tmp_path / "ckpt").run())
     after = read_trace(trace)
-    assert steps_traced(after) == first_steps + list(range(saved + 1, 10))  # both segments, in order
+    assert steps_traced(after) == first_steps + list(range(saved + 1, 11))  # both segments, in order
     end_of_first = max(e["ts"] + e.get("dur", 0.0) for e in before if e["ph"] != "M")
     (marker,) = [e for e in after if e["name"] == "resumed"]
     assert marker["ph"] == "i" and marker["pid"] == CONTROLLER_PID

@@ -105,7 +105,7 @@ def test_quickstart_end_to_end(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # steps done
     for r in rows:
         for key in FULLY_ASYNC:
             assert f"rollout/fully_async/{key}" in r
@@ -122,7 +122,7 @@ def test_quickstart_end_to_end(tmp_path: Path) -> None:
     assert max(r["rollout/fully_async/max_staleness"] for r in rows) >= 0
     assert unknown_metrics({k for r in rows for k in r}) == []  # all in the metric registry
     check_conservation(read_ledger(run_dir / "ledger.jsonl"))
-    assert (tmp_path / "ckpt" / "latest").read_text() == "3"
+    assert (tmp_path / "ckpt" / "latest").read_text() == "4"  # step_4: the weights after 4 steps
     assert (run_dir / "learning.png").is_file() and (run_dir / "reward.png").is_file()
 
 
@@ -171,7 +171,7 @@ def test_tool_use_trains_two_steps(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1]
+    assert [r["step"] for r in rows] == [1, 2]
 
 
 HOOKS = "tests.recipes.agent_hooks"  # they write the trained and evaluated samples to the run dir
@@ -196,7 +196,7 @@ def test_agent_calculator_trains_on_the_agents_sessions(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1]
+    assert [r["step"] for r in rows] == [1, 2]
     assert all(0.0 < r["rollout/model_token_ratio"] < 1.0 for r in rows)
     assert unknown_metrics({k for r in rows for k in r}) == []
     trained = [json.loads(x) for x in (run_dir / "trained_samples.jsonl").read_text().splitlines()]

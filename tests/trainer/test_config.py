@@ -9,7 +9,7 @@ import pytest
 from miles_aio.errors import ConfigError
 from miles_aio.trainer.config import TrainConfig, check_batch_arithmetic, check_off_policy_correction
 
-pytestmark = pytest.mark.timeout(10)
+pytestmark = [pytest.mark.pure, pytest.mark.timeout(10)]
 
 
 @pytest.mark.parametrize(

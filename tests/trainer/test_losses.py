@@ -12,7 +12,7 @@ from miles_aio.trainer import losses
 from miles_aio.trainer.losses import LossSettings, TrainRow
 from tests.trainer.helpers import make_batch
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.pure, pytest.mark.timeout(30)]
 LN = math.log
 
 

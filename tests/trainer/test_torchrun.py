@@ -23,7 +23,7 @@ from miles_aio.trainer.rank_main import CONTROLLER_ENV
 from tests.trainer.helpers import make_batch, run
 from tests.trainer.helpers import train_cfg as _cfg
 
-pytestmark = [pytest.mark.slow]
+pytestmark = [pytest.mark.procs, pytest.mark.slow]
 
 
 def _free_port() -> int:

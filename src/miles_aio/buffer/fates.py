@@ -53,6 +53,11 @@ class GroupFates:
         self._source = source
         self._accounting = accounting
 
+    @property
+    def recycling(self) -> dict[int, int]:
+        """Group id → times recycled so far, for each group still being recycled (a copy)."""
+        return dict(self._recycled)
+
     def on_unused(self, item: BufferItem, reason: str) -> None:
         gid = item.group_index
         self._discard(gid)

@@ -16,8 +16,10 @@ as `bad_prompt`. Counts by reason: `DataSource.get_metrics()`, `rollout/skipped_
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
+import weakref
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -83,13 +85,36 @@ class PromptRecords(list[PromptRecord]):
 def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]]) -> list[int]:
     """Token ids of a prompt: text as is, chat messages through the tokenizer's chat template."""
     if isinstance(prompt, str):
-        return list(tokenizer.encode(prompt, add_special_tokens=False))
+        ids = list(tokenizer.encode(prompt, add_special_tokens=False))
+        _warn_unknown_characters(tokenizer, prompt, ids)
+        return ids
     template: Any = getattr(tokenizer, "apply_chat_template", None)
     if template is None:
         raise RuntimeError("chat prompts need a tokenizer with apply_chat_template")
     encoded = template(prompt, tokenize=True, add_generation_prompt=True)
     # transformers 5 returns a BatchEncoding (a mapping); older versions a plain list of ids
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+_WARNED_UNKNOWN: weakref.WeakSet[Any] = weakref.WeakSet()
+"""Tokenizers that have warned about unknown characters: once each, not once per prompt."""
+
+
+def _warn_unknown_characters(tokenizer: Any, prompt: str, ids: list[int]) -> None:
+    """Warn, once per tokenizer, that a prompt has characters it encodes as its unknown token (a small
+    vocabulary such as the tiny models' one character per token would lose them silently otherwise)."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None or unk not in ids or tokenizer in _WARNED_UNKNOWN:
+        return
+    with contextlib.suppress(TypeError):  # not weak-referenceable: warn every time rather than never
+        _WARNED_UNKNOWN.add(tokenizer)
+    unknown = sorted(c for c in set(prompt) if tokenizer.encode(c, add_special_tokens=False) == [unk])
+    _log.warning(
+        "prompt has characters the tokenizer does not know; they encode to its unknown token",
+        characters="".join(unknown),
+        unknown_token=getattr(tokenizer, "unk_token", None),
+        prompt=prompt[:80],
+    )
 
 
 def prompt_problem(row: object, cfg: DataConfig) -> tuple[str, str] | None:

@@ -112,7 +112,11 @@ async def open_engines(
             launcher, procs = local, await local.start_all(e.num_engines)
         if launcher is not None:
             urls = [p.url for p in procs]
-        policy = RouterPolicy(admin_timeout_s=e.engine_admin_timeout_s)
+        policy = RouterPolicy(
+            admin_timeout_s=e.engine_admin_timeout_s,
+            flush_attempts=e.engine_flush_attempts,
+            flush_backoff_s=e.engine_flush_backoff_s,
+        )
         router = await stack.enter_async_context(
             EngineRouter.open(
                 urls, api_key=e.sglang_api_key, partial_rollout=cfg.driver.partial_rollout, policy=policy

@@ -33,6 +33,7 @@ Nothing here imports transformers (it costs seconds); `load_tokenizer` does, laz
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -106,6 +107,7 @@ def build_tiny_llama(
     rope_theta: float = 10000.0,
     rms_norm_eps: float = 1e-6,
     tie_word_embeddings: bool = False,
+    embedding_std: float = _INITIALIZER_RANGE,
     seed: int = 0,
     chat_tokens: bool = False,
 ) -> Path:
@@ -113,6 +115,9 @@ def build_tiny_llama(
 
     The same arguments give byte-identical weights (the init uses its own seeded `torch.Generator`).
     `intermediate_size` defaults to 2 × `hidden_size` (rounded up to a multiple of 8).
+    `embedding_std`: std of the token embedding's init (every other matrix: 0.02, as transformers). The
+    default is transformers' too; `tasks.arithmetic.warm_start` uses 1.0 (torch.nn.Embedding's init) —
+    see there why.
     `chat_tokens`: add `CHAT_TOKENS` and a chat template with role markers (see the module docstring);
     every other id and tensor value stays what it is without it.
     """
@@ -176,10 +181,11 @@ def build_tiny_llama(
         out_dir / "generation_config.json",
         {"bos_token_id": bos_id, "eos_token_id": eos_ids, "pad_token_id": pad_id},
     )
-    weights = _init_weights(config | {"vocab_size": base_vocab_size}, seed=seed)
-    weights = _append_rows(weights, unk_vocab_size - base_vocab_size, seed=seed + _UNK_SEED_OFFSET)
+    weights = _init_weights(config | {"vocab_size": base_vocab_size}, seed=seed, embedding_std=embedding_std)
+    grow = functools.partial(_append_rows, embedding_std=embedding_std)
+    weights = grow(weights, unk_vocab_size - base_vocab_size, seed=seed + _UNK_SEED_OFFSET)
     if chat_tokens:
-        weights = _append_rows(weights, vocab_size - unk_vocab_size, seed=seed + _CHAT_SEED_OFFSET)
+        weights = grow(weights, vocab_size - unk_vocab_size, seed=seed + _CHAT_SEED_OFFSET)
     save_file(
         weights,
         str(out_dir / "model.safetensors"),
@@ -213,8 +219,9 @@ def load_tokenizer(model_dir: Path | str) -> PreTrainedTokenizerFast:
     )
 
 
-def _init_weights(config: dict[str, Any], *, seed: int) -> dict[str, torch.Tensor]:
-    """HF Llama tensor names → float32 tensors: matrices ~ N(0, 0.02), norms = 1 (as transformers inits)."""
+def _init_weights(config: dict[str, Any], *, seed: int, embedding_std: float) -> dict[str, torch.Tensor]:
+    """HF Llama tensor names → float32 tensors: matrices ~ N(0, 0.02), norms = 1 (as transformers inits),
+    the token embedding ~ N(0, embedding_std)."""
     gen = torch.Generator().manual_seed(seed)
     h, inter, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     hd, nh, nkv = config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
@@ -222,7 +229,8 @@ def _init_weights(config: dict[str, Any], *, seed: int) -> dict[str, torch.Tenso
     def normal(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * _INITIALIZER_RANGE
 
-    weights: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(v, h)}
+    embed = torch.randn(v, h, generator=gen) * embedding_std
+    weights: dict[str, torch.Tensor] = {"model.embed_tokens.weight": embed}
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         weights |= {
@@ -242,13 +250,16 @@ def _init_weights(config: dict[str, Any], *, seed: int) -> dict[str, torch.Tenso
     return weights
 
 
-def _append_rows(weights: dict[str, torch.Tensor], n: int, *, seed: int) -> dict[str, torch.Tensor]:
-    """Grow the vocab-sized tensors by `n` rows ~ N(0, 0.02) from their own generator (others untouched)."""
+def _append_rows(
+    weights: dict[str, torch.Tensor], n: int, *, seed: int, embedding_std: float
+) -> dict[str, torch.Tensor]:
+    """Grow the vocab-sized tensors by `n` rows from their own generator (others untouched): embedding
+    rows ~ N(0, embedding_std), lm_head rows ~ N(0, 0.02)."""
     gen = torch.Generator().manual_seed(seed)
     out = dict(weights)
-    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+    for name, std in (("model.embed_tokens.weight", embedding_std), ("lm_head.weight", _INITIALIZER_RANGE)):
         if name in out:
-            rows = torch.randn(n, out[name].shape[1], generator=gen) * _INITIALIZER_RANGE
+            rows = torch.randn(n, out[name].shape[1], generator=gen) * std
             out[name] = torch.cat([out[name], rows])
     return out
 

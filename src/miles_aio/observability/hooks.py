@@ -1,10 +1,11 @@
 """miles' logging hooks: `--custom-rollout-log-function-path`, `--custom-eval-rollout-log-function-path`.
 
     def log_rollout_data(rollout_id, args, samples, rollout_extra_metrics, rollout_time) -> bool
-        once per training step, after training: `rollout_id` the step, `samples` the trained batch's
-        samples (flat list of `Sample`), `rollout_extra_metrics` a copy of the step's metrics (changes
-        are not logged), `rollout_time` the seconds the step waited for data (its batch, plus the next
-        batch's drain before a push; miles: the drain).
+        once per training step, after training: `rollout_id` the step's number (1 for the first step:
+        the steps done once it is trained, as the metrics' `step`; miles' is 0-based), `samples` the
+        trained batch's samples (flat list of `Sample`), `rollout_extra_metrics` a copy of the step's
+        metrics (changes are not logged), `rollout_time` the seconds the step waited for data (its
+        batch, plus the next batch's drain before a push; miles: the drain).
     def log_eval_rollout_data(rollout_id, args, data, extra_metrics) -> bool
         once per eval point, at the first step record written after the point finished: `rollout_id`
         the point's `eval/step`, `data` = {dataset: {"metrics": {name: value}, "samples": [Sample],

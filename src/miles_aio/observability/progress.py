@@ -50,7 +50,7 @@ class ProgressSink:
             f"staleness {metrics.get('rollout/fully_async/avg_staleness', 0.0):.2f}  "
             f"{metrics.get('perf/generated_tokens_per_s', 0.0):,.0f} tok/s"
         )
-        self._progress.update(self._task, completed=step + 1, info=info)
+        self._progress.update(self._task, completed=step, info=info)  # `step` counts steps done
 
     def close(self) -> None:
         if self._progress is not None:

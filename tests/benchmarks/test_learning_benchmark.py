@@ -1,0 +1,94 @@
+"""`benchmarks.learning` reads a run's curve and throughput right; its bare GRPO baseline runs the loop."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import bare_grpo
+from benchmarks.learning import Result, arm_flags, read_run, summarize
+from miles_aio.models.tiny import build_tiny_llama
+from miles_aio.tasks.arithmetic import ALPHABET
+
+pytestmark = pytest.mark.pure
+
+
+def _jsonl(path: Path, rows: list[dict[str, object]]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_a_runs_curve_is_placed_at_the_steps_it_evaluated_and_their_rl_seconds(tmp_path: Path) -> None:
+    _jsonl(
+        tmp_path / "metrics.jsonl",
+        [{"step": s, "perf/step_time_s": 0.5, "rollout/samples": 256.0} for s in range(1, 5)],
+    )
+    _jsonl(
+        tmp_path / "eval_points.jsonl",
+        [
+            {"step": 0, "eval/step": 0, "eval/held_out/accuracy": 0.3},
+            {"step": 3, "eval/step": 2, "eval/held_out/accuracy": 0.5},  # landed one step late
+            {"step": 4, "eval/step": 4, "eval/held_out/accuracy": 0.6},
+        ],
+    )
+    r = read_run(tmp_path, "async", 0)
+    assert r.curve == [(0, 0.0, 0.3), (2, 1.0, 0.5), (4, 2.0, 0.6)]
+    assert r.rl_seconds == 2.0 and r.completions_per_s == 512.0
+    assert r.at(3) == 0.5 and r.at(5) is None and r.final == 0.6
+
+
+def test_the_summary_states_the_throughput_ratio_per_seed_and_the_failures() -> None:
+    curve = [(0, 0.0, 0.3), (100, 10.0, 0.9)]
+    results = [
+        Result("async", 0, curve, completions_per_s=900.0, rl_seconds=10.0),
+        Result("bare", 0, curve, completions_per_s=1000.0, rl_seconds=9.0),
+        Result("on_policy", 0, error="exit 1: see x.log"),
+    ]
+    text = summarize(results, ["async", "on_policy", "bare"], [0])
+    assert "| async | 0 | 30.0% | 90.0% | 90.0% | 10 | 900 |" in text
+    assert "bare loop's, same seed: 0.90×" in text and "on_policy seed 0 failed: exit 1" in text
+    assert arm_flags("on_policy") == ["--max-admission-staleness", "0"] and arm_flags("lr=3e-4")[-1] == "3e-4"
+    with pytest.raises(SystemExit, match="unknown arm"):
+        arm_flags("sync")
+
+
+def test_the_bare_loop_reports_its_curve_throughput_and_per_step_kl(tmp_path: Path) -> None:
+    model = build_tiny_llama(tmp_path / "m", alphabet=ALPHABET, hidden_size=32, num_heads=2, num_kv_heads=1)
+    before = {k: v.clone() for k, v in _weights(model).items()}
+    out = bare_grpo.run(
+        model, steps=3, lr=1e-2, prompts_per_step=4, n=4, eval_interval=2, kl_steps=2, threads=1
+    )
+    assert [p["step"] for p in out["curve"]] == [0, 2, 3]
+    assert len(out["kl_per_token"]) == 2 and all(k >= 0.0 for k in out["kl_per_token"])
+    assert out["completions_per_s"] > 0 and out["rl_seconds"] > 0
+    after = _weights(model)  # the baseline never writes the model it starts from
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert bare_grpo.lr_factor(5, warmup=10, decay_steps=None, min_ratio=0.0) == 0.5
+    assert bare_grpo.lr_factor(100, warmup=0, decay_steps=100, min_ratio=0.1) == pytest.approx(0.1)
+
+
+def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(model_dir / "model.safetensors"))
+
+
+def test_the_bare_loops_cached_decoding_equals_full_recompute(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from miles_aio.models.tiny import load_tokenizer
+    from miles_aio.tasks.arithmetic import greedy_solve, make_splits
+
+    model_dir = build_tiny_llama(
+        tmp_path / "m", alphabet=ALPHABET, hidden_size=32, num_heads=2, num_kv_heads=1
+    )
+    tok, model = load_tokenizer(model_dir), AutoModelForCausalLM.from_pretrained(model_dir)
+    problems = make_splits()[1][:16]
+    ids = torch.tensor([tok.encode(p.prompt) for p in problems])
+    with torch.no_grad():
+        cached = bare_grpo._sample(model, ids, 4, 0.0)
+    rows = bare_grpo._until_eos(cached, tok.eos_token_id)
+    answers = [tok.decode([t for t in r if t != tok.eos_token_id]) for r in rows]
+    assert answers == greedy_solve(model, tok, problems)

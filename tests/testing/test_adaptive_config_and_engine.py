@@ -1,0 +1,99 @@
+"""`--async-max-concurrent-samples auto` on the command line, and the FAKE engine's batched time model."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import pytest
+
+from miles_aio.cli import parse_run_config
+from miles_aio.testing import FakeLatencyEngine, LogNormal
+
+pytestmark = [pytest.mark.vtime, pytest.mark.timeout(20)]
+
+BASE = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--num-rollout", "1", "--use-tis"]
+
+
+def test_cli_accepts_auto_and_integers() -> None:
+    cfg = parse_run_config(
+        [*BASE, "--async-max-concurrent-samples", "auto", "--adaptive-concurrency-max", "10"]
+    )
+    assert cfg.scheduler.adaptive and cfg.max_in_flight_samples == 10  # B × N = 16, clamped to the max
+    cfg = parse_run_config([*BASE, "--async-max-concurrent-samples", "12"])
+    assert cfg.scheduler.async_max_concurrent_samples == 12 and not cfg.scheduler.adaptive
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--async-max-concurrent-samples", "lots"], "positive integer or 'auto'"),
+        (["--async-max-concurrent-samples", "-4"], "positive integer or 'auto'"),
+        (["--async-max-concurrent-samples", "0"], "must be > 0"),
+        (["--async-max-concurrent-samples", "auto", "--adaptive-concurrency-min", "2"], "hold a group"),
+        (["--adaptive-concurrency-min", "64", "--adaptive-concurrency-max", "32"], "max (32) < min (64)"),
+    ],
+)
+def test_cli_rejects_bad_values_with_exit_2(args: list[str], message: str, capsys: Any) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse_run_config([*BASE, *args])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_batched_engine_shares_decode_time_and_queues_beyond_its_batch(vrun: Any) -> None:
+    eng = FakeLatencyEngine(
+        lengths=lambda rng: 10, base_per_token_s=0.1, slope_per_token_s=0.05, max_running=2
+    )
+
+    async def main() -> list[tuple[float, int]]:
+        loop = asyncio.get_running_loop()
+        out: list[tuple[float, int]] = []
+
+        async def one() -> None:
+            res = await eng.generate(input_ids=[1], sampling_params={})
+            out.append((round(loop.time(), 6), len(res.output_ids)))
+
+        async with asyncio.TaskGroup() as tg:
+            for _ in range(3):
+                tg.create_task(one())
+            await asyncio.sleep(0.5)
+            assert (eng.load().running, eng.load().queued) == (2, 1)
+        return out
+
+    # two run together at 0.2 s/token (10 tokens: 2 s); the third then runs alone at 0.15 s/token
+    assert vrun(main()) == [(2.0, 10), (2.0, 10), (3.5, 10)]
+
+
+def test_batched_engine_pause_freezes_and_versions_tag_tokens(vrun: Any) -> None:
+    eng = FakeLatencyEngine(lengths=lambda rng: 10, base_per_token_s=0.1)
+
+    async def main() -> list[int | None]:
+        async with asyncio.TaskGroup() as tg:
+            task = tg.create_task(eng.generate(input_ids=[1], sampling_params={}))
+            await eng.update_weight_version(1)
+            await asyncio.sleep(0.45)  # 4 tokens at version 1
+            await eng.pause_generation("retract")
+            await eng.update_weight_version(2)
+            await asyncio.sleep(5.0)  # frozen
+            await eng.continue_generation()
+        return task.result().weight_versions
+
+    assert vrun(main()) == [1] * 4 + [2] * 6
+
+
+def test_lognormal_lengths_hit_their_median() -> None:
+    dist, rng = LogNormal(100, 1000), random.Random(0)
+    draws = sorted(dist(rng) for _ in range(4001))
+    assert 90 <= draws[2000] <= 110 and min(draws) >= 1
+
+
+def test_batched_engine_interpolates_a_measured_curve() -> None:
+    eng = FakeLatencyEngine(lengths=lambda rng: 1, per_token_curve=[(1, 0.002), (8, 0.004), (64, 0.012)])
+    assert eng.per_token_s(1) == pytest.approx(0.002)
+    assert eng.per_token_s(36) == pytest.approx(0.008)  # halfway between 8 and 64
+    assert eng.per_token_s(120) == pytest.approx(0.020)  # extrapolated along the last segment
+    assert eng.per_token_s(0) > 0
+    with pytest.raises(ValueError, match="curve"):
+        FakeLatencyEngine(lengths=lambda rng: 1, per_token_curve=[(1, 0.002)])
