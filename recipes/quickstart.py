@@ -32,7 +32,7 @@ DEFAULTS: dict[str, Any] = {
     # rollout: 32 prompts × 8 samples per step; answers are at most 3 digits + EOS
     "rollout_batch_size": 32,
     "n_samples_per_prompt": 8,
-    "num_rollout": 600,
+    "num_rollout": 300,
     "rollout_max_response_len": 4,
     "rollout_temperature": 1.0,
     "custom_rm_path": "miles_aio.tasks.arithmetic:answer_reward",
@@ -47,11 +47,7 @@ DEFAULTS: dict[str, Any] = {
     "save_interval": 100,  # into <run-dir>/checkpoints unless --save is given; the last step too
     # trainer: one rank, GRPO with truncated importance sampling, one optimizer step per rollout (the
     # derived --global-batch-size: every sample of the rollout, whatever the batch flags say)
-    # 1e-4 after a 20-step warmup: Adam's first step moves every weight by the full lr (a sign step),
-    # which jolts this small policy by a KL of ~0.3 per token; ramped, the same step moves it by ~0.001
-    # (benchmarks.bare_grpo --ablation). 3e-4 learns too (benchmarks.learning's lr arms).
-    "lr": 1e-4,
-    "lr_warmup_iters": 20,
+    "lr": 3e-5,  # 3e-4 collapses this model; see docs/learning.md (benchmarks.bare_grpo --ablation)
     "use_tis": True,
     "micro_batch_size": 256,
     "update_weight_transfer_mode": "disk",
@@ -63,7 +59,7 @@ class Options:
     """The quickstart's own flags."""
 
     warm_start_accuracy: float = opt(
-        0.3, "Supervised warm start until this greedy accuracy on training problems (checked every 10 steps)."
+        0.2, "Supervised warm start until this greedy accuracy on training problems."
     )
     warm_start_seed: int = opt(0, "Seed of the warm start: the model's init and its supervised batches.")
 
@@ -97,7 +93,6 @@ def prepare(cfg: RunConfig, args: RecipeArgs[Options]) -> None:
             train,
             target_accuracy=opts.warm_start_accuracy,
             seed=opts.warm_start_seed,
-            check_every=10,  # the accuracy RL starts from decides its pace: overshoot it by little
         )
 
 

@@ -115,9 +115,8 @@ def build_tiny_llama(
 
     The same arguments give byte-identical weights (the init uses its own seeded `torch.Generator`).
     `intermediate_size` defaults to 2 × `hidden_size` (rounded up to a multiple of 8).
-    `embedding_std`: std of the token embedding's init (every other matrix: 0.02, as transformers). The
-    default is transformers' too; `tasks.arithmetic.warm_start` uses 1.0 (torch.nn.Embedding's init) —
-    see there why.
+    `embedding_std`: std of the token embedding's init (every other matrix: 0.02, as transformers; the
+    default is transformers' too). `benchmarks.bare_grpo --ablation` compares 1.0 (torch.nn.Embedding's).
     `chat_tokens`: add `CHAT_TOKENS` and a chat template with role markers (see the module docstring);
     every other id and tensor value stays what it is without it.
     """

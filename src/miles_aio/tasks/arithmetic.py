@@ -127,12 +127,6 @@ def warm_start(
         "num_kv_heads": 2,
         "intermediate_size": 512,
         "max_position_embeddings": 32,
-        # Token embeddings ~ N(0, 1) (torch.nn.Embedding's init), not transformers' N(0, 0.02): with
-        # 0.02 the residual stream is tiny next to what the attention blocks add, so the policy is a
-        # product of weight matrices and one Adam step at lr 3e-4 moves it by a KL of 0.3 per token
-        # (RL then collapses); with N(0, 1) the embedding anchors the stream and the same step moves it
-        # by 0.001-0.007. Measured with benchmarks.bare_grpo; docs/benchmarks.md has the ablation.
-        "embedding_std": 1.0,
         **(model_kwargs or {}),
     }
     build_tiny_llama(out_dir, alphabet=alphabet, seed=seed, **shape)

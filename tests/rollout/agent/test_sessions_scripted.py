@@ -227,7 +227,7 @@ def test_failures_follow_the_rollout_failure_policy(
         leaf = leaf.exceptions[0]
     assert isinstance(leaf, AgentFailed) and "sandbox exploded" in str(leaf)
     assert isinstance(leaf.__cause__, ValueError)
-    logged = capsys.readouterr().out
+    logged = "".join(capsys.readouterr())  # stdout by structlog's default, stderr once logging is configured
     assert logged.count("rollout failed; sample failed") == 2 and "Traceback" not in logged  # one line each
 
 
