@@ -506,7 +506,8 @@ class TrainerActor:
                         shapes=[group.info[n][1] for n in names],
                         version=version,
                         group_name=group.name,
-                    )
+                    ),
+                    name="trainer-bcast-engines-receive",
                 )
             failed = sent.result()[0].failed
             if failed is None and _membership(engine, target) != key:
