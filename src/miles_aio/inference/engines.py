@@ -3,7 +3,10 @@
   local    `--rollout-num-gpus` embedded CPU engines (`miles_aio.engine`), started here
   sglang   `--rollout-num-gpus / --rollout-num-gpus-per-engine` SGLang servers, started here on the
            GPUs after the trainer's (`gpu_offset`), with every `--sglang-<flag>` passed through
-  urls     `--sglang-urls`: servers (or one sglang-router) that are already running
+  vllm     `--rollout-num-gpus / --rollout-num-gpus-per-engine` vLLM servers, started here
+           (`inference.vllm_launch`), spoken to by `VLLMClient` (`inference.vllm`); disk weights only
+  urls     `--sglang-urls`: servers (or one sglang-router) that are already running;
+           `--vllm-urls` (with `--rollout-backend vllm`): running vLLM servers
 Whatever started them stops them on every exit path. `--sglang-api-key` is given to the engines started
 here (as their `--api-key`, so they enforce it) and sent by the router to every engine, started or not.
 
@@ -21,6 +24,7 @@ servers without `--sglang-disable-radix-cache` before anything starts; servers g
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -28,10 +32,10 @@ from pathlib import Path
 from miles_aio.config import RunConfig
 from miles_aio.errors import ConfigError, primary_error
 from miles_aio.inference.availability import RestartPolicy
-from miles_aio.inference.router import EngineRouter, RouterPolicy
+from miles_aio.inference.router import ClientFactory, EngineRouter, RouterPolicy
 from miles_aio.inference.supervisor import EngineLauncher, EngineProcess, supervise_engines
 
-__all__ = ["api_key_args", "check_in_place_prefix_cache", "open_engines"]
+__all__ = ["api_key_args", "check_in_place_prefix_cache", "open_engines", "vllm_launch_args"]
 
 _IN_PLACE_FLAGS = ["--pause-generation-mode", "--sglang-disable-radix-cache"]
 _IN_PLACE_WHY = (
@@ -61,14 +65,25 @@ def api_key_args(api_key: str | None) -> list[str]:
     return ["--api-key", api_key] if api_key else []
 
 
+def vllm_launch_args(cfg: RunConfig) -> list[str]:
+    """Arguments of the vLLM servers a run launches: the API key, and for `--pause-generation-mode
+    in_place` prefix caching off (a request continued after the update would otherwise reuse its
+    pre-update KV from the cache, and so would every new request sharing its prefix: miles #2782)."""
+    args = api_key_args(cfg.engine.sglang_api_key)
+    if cfg.driver.pause_generation_mode == "in_place":
+        args.append("--no-enable-prefix-caching")
+    return args
+
+
 async def _ask_in_place_prefix_cache(router: EngineRouter) -> None:
     """Servers given by URL: refuse in_place on any whose /server_info says the radix cache is on (not the
     embedded engine's prefix cache, which it tags by weights epoch: `engine` marks it in /server_info)."""
     for client in router.clients:
         info = await client.server_info()
         if info.get("disable_radix_cache") is False and info.get("engine") != "miles_aio-embedded":
+            off = "--no-enable-prefix-caching" if info.get("engine") == "vllm" else "--disable-radix-cache"
             raise ConfigError(
-                f"{_IN_PLACE_WHY}; {client.url} runs with it: restart it with --disable-radix-cache, "
+                f"{_IN_PLACE_WHY}; {client.url} runs with it: restart it with {off}, "
                 "or use --pause-generation-mode retract",
                 flags=_IN_PLACE_FLAGS,
             )
@@ -82,8 +97,21 @@ async def open_engines(
     launcher: EngineLauncher | None = None
     procs: Sequence[EngineProcess] = ()
     async with AsyncExitStack() as stack:
-        if e.sglang_urls:
-            urls = list(e.sglang_urls)
+        if e.sglang_urls or e.vllm_urls:
+            urls = list(e.sglang_urls or e.vllm_urls)
+        elif e.rollout_backend == "vllm":
+            from miles_aio.inference.vllm_launch import vllm_servers
+
+            vllm = await stack.enter_async_context(
+                vllm_servers(
+                    model_path,
+                    gpus_per_engine=e.rollout_num_gpus_per_engine,
+                    gpu_offset=gpu_offset,
+                    extra_args=vllm_launch_args(cfg),
+                    log_dir=cfg.run_dir / "logs",
+                )
+            )
+            launcher, procs = vllm, await vllm.start_all(e.num_engines)
         elif e.rollout_backend == "sglang":
             from miles_aio.inference.sglang_launch import sglang_servers
 
@@ -117,12 +145,23 @@ async def open_engines(
             flush_attempts=e.engine_flush_attempts,
             flush_backoff_s=e.engine_flush_backoff_s,
         )
+        factory: ClientFactory | None = None
+        if e.rollout_backend == "vllm":
+            from miles_aio.inference.vllm import VLLMClient
+
+            factory = functools.partial(
+                VLLMClient, api_key=e.sglang_api_key, partial_rollout=cfg.driver.partial_rollout
+            )
         router = await stack.enter_async_context(
             EngineRouter.open(
-                urls, api_key=e.sglang_api_key, partial_rollout=cfg.driver.partial_rollout, policy=policy
+                urls,
+                api_key=e.sglang_api_key,
+                partial_rollout=cfg.driver.partial_rollout,
+                policy=policy,
+                client_factory=factory,
             )
         )
-        if e.sglang_urls and cfg.driver.pause_generation_mode == "in_place":
+        if (e.sglang_urls or e.vllm_urls) and cfg.driver.pause_generation_mode == "in_place":
             await _ask_in_place_prefix_cache(router)
         if launcher is None:
             yield router

@@ -1,0 +1,342 @@
+"""`VLLMClient` against `FakeVLLMServer` (the HTTP seam), on virtual time: request mapping, answer
+validation, error mapping, and the client-side per-token versions across pauses, checked against the
+weights that really made each token (the fake encodes them in the token id)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import pytest
+
+from miles_aio.errors import EngineBadResponse, EngineUnavailable
+from miles_aio.inference.base import PauseMode
+from miles_aio.inference.client import FlushRefused
+from miles_aio.inference.router import EngineRouter, RouterPolicy
+from miles_aio.inference.vllm import VLLMClient, completion_params, parse_completion
+from miles_aio.types import GenerateOutput
+from tests.conftest import run_virtual
+from tests.inference.vllm_fake import TOKEN_BASE, FakeVLLMServer
+
+PROMPT = [5, 6, 7]
+
+
+def _client(fake: FakeVLLMServer, **kw: Any) -> VLLMClient:
+    return VLLMClient("http://fake-vllm", transport=fake.transport(), **kw)
+
+
+def _assert_versions_exact(out: GenerateOutput, version_of_weights: dict[int, int | None]) -> None:
+    truth = [version_of_weights[t // TOKEN_BASE] for t in out.output_ids]
+    assert out.weight_versions == truth
+
+
+# ---- pure: params and answers ---------------------------------------------------------------------
+
+
+@pytest.mark.pure
+def test_completion_params_map_sglang_names_and_refuse_the_rest() -> None:
+    params = completion_params(
+        {"max_new_tokens": 4, "temperature": 1.0, "top_k": -1, "no_stop_trim": True, "sampling_seed": 3}
+    )
+    assert params == {
+        "max_tokens": 4,
+        "temperature": 1.0,
+        "top_k": -1,
+        "include_stop_str_in_output": True,
+        "seed": 3,
+    }
+    assert completion_params({})["max_tokens"] == 128  # SGLang's default, not vLLM's 16
+    with pytest.raises(ValueError, match="logit_bias"):
+        completion_params({"logit_bias": {}})
+    with pytest.raises(ValueError, match="n must be 1"):
+        completion_params({"n": 2})
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize(
+    ("choice", "needle"),
+    [
+        ({"finish_reason": "repetition", "token_ids": [], "text": ""}, "finish_reason"),
+        ({"finish_reason": "stop", "text": ""}, "token_ids"),
+        ({"finish_reason": "stop", "token_ids": [1, 2], "logprobs": {"token_logprobs": [-1.0]}}, "logprobs"),
+        ({"finish_reason": "stop", "token_ids": [1], "logprobs": {"token_logprobs": [0.5]}}, "<= 0"),
+        ({"finish_reason": "stop", "token_ids": [-1], "logprobs": {"token_logprobs": [-1.0]}}, "token_ids"),
+    ],
+)
+def test_answers_that_break_the_contract_are_bad_responses(choice: dict[str, Any], needle: str) -> None:
+    with pytest.raises(EngineBadResponse, match=needle):
+        parse_completion({"choices": [choice]}, version=1, where="w")
+    with pytest.raises(EngineBadResponse, match="one choice"):
+        parse_completion({"choices": [choice, choice]}, version=1, where="w")
+
+
+@pytest.mark.pure
+def test_a_good_answer_is_decoded_with_its_version() -> None:
+    body = {
+        "choices": [
+            {
+                "finish_reason": "length",
+                "token_ids": [3, 4],
+                "text": "ab",
+                "logprobs": {"token_logprobs": [-0.1, -0.2]},
+            }
+        ],
+        "usage": {"prompt_tokens": 5, "prompt_tokens_details": {"cached_tokens": 2}},
+    }
+    out = parse_completion(body, version=7, where="w")
+    assert (out.output_ids, out.output_log_probs, out.weight_versions) == ([3, 4], [-0.1, -0.2], [7, 7])
+    assert (out.finish_reason, out.prompt_tokens, out.cached_tokens, out.text) == ("length", 5, 2, "ab")
+
+
+# ---- vtime: the client against the fake -----------------------------------------------------------
+
+
+@pytest.mark.vtime
+def test_generate_sends_token_ids_and_reads_the_servers_version() -> None:
+    fake = FakeVLLMServer()
+    fake.version = "3"
+
+    async def main() -> GenerateOutput:
+        async with _client(fake) as client:
+            return await client.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 4})
+
+    out = run_virtual(main())
+    assert out.weight_versions == [3] * 4
+    assert out.finish_reason == "length"
+    body = next(b for p, b in fake.calls if p == "/v1/completions")
+    assert body["prompt"] == PROMPT
+    assert (body["max_tokens"], body["logprobs"], body["return_token_ids"], body["stream"]) == (
+        4,
+        0,
+        True,
+        False,
+    )
+
+
+@pytest.mark.vtime
+@pytest.mark.parametrize("network_latency_s", [0.0, 0.05])
+def test_versions_stay_exact_over_many_pushes_in_every_mode(network_latency_s: float) -> None:
+    """Twelve generations and six pushes (random modes); every token's version is the one whose
+    weights made it, also when a request reaches the server only after the pause (a straggler)."""
+    rng = random.Random(0)
+    fake = FakeVLLMServer(token_latency_s=0.01, network_latency_s=network_latency_s)
+    version_of_weights: dict[int, int | None] = {0: None}
+
+    async def main() -> list[GenerateOutput]:
+        async with _client(fake, partial_rollout=True) as client:
+            params = {"max_new_tokens": 60, "ignore_eos": True}
+            async with asyncio.TaskGroup() as tg:
+                tasks = [
+                    tg.create_task(client.generate(input_ids=[*PROMPT, i], sampling_params=params))
+                    for i in range(12)
+                ]
+                for v in range(1, 7):
+                    await asyncio.sleep(rng.uniform(0.02, 0.12))
+                    mode: PauseMode = rng.choice(["abort", "retract", "in_place"])
+                    await client.pause_generation(mode)
+                    await client.flush_cache()
+                    await client.update_weights_from_disk(f"/w/v{v}", version=v, flush_cache=False)
+                    version_of_weights[fake.weights] = v
+                    await client.continue_generation()
+            assert client.continuations > 0
+            return [t.result() for t in tasks]
+
+    outs = run_virtual(main())
+    for out in outs:
+        assert out.finish_reason == "length"
+        assert len(out.output_ids) == 60
+        _assert_versions_exact(out, version_of_weights)
+    assert len({v for out in outs for v in out.weight_versions}) > 2
+    assert fake.loaded == [f"/w/v{v}" for v in range(1, 7)]
+    assert not fake.requests
+
+
+@pytest.mark.vtime
+def test_abort_pause_without_partial_rollout_returns_the_aborted_tokens() -> None:
+    fake = FakeVLLMServer()
+
+    async def main() -> GenerateOutput:
+        async with _client(fake) as client:
+            await client.update_weight_version(1)
+            async with asyncio.TaskGroup() as tg:
+                task = tg.create_task(
+                    client.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 50})
+                )
+                await asyncio.sleep(0.105)
+                await client.pause_generation("abort")
+                out = await task
+                await client.continue_generation()
+            return out
+
+    out = run_virtual(main())
+    assert out.finish_reason == "abort"
+    assert len(out.output_ids) == 10
+    assert out.weight_versions == [1] * 10
+
+
+@pytest.mark.vtime
+def test_retract_continues_the_request_and_splits_it_at_the_resume() -> None:
+    fake = FakeVLLMServer()
+
+    async def main() -> GenerateOutput:
+        async with _client(fake) as client:  # no partial rollout: retract continues anyway
+            await client.update_weight_version(1)
+            async with asyncio.TaskGroup() as tg:
+                task = tg.create_task(
+                    client.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 50})
+                )
+                await asyncio.sleep(0.105)
+                await client.pause_generation("retract")
+                await asyncio.sleep(1.0)  # the weights load meanwhile: nothing is made while paused
+                assert not task.done()
+                await client.update_weights_from_disk("/w/2", version=2, flush_cache=True)
+                await client.continue_generation()
+            return task.result()
+
+    out = run_virtual(main())
+    assert out.finish_reason == "length"
+    assert out.weight_versions == [1] * 10 + [2] * 40
+    assert out.meta["partial_rollout_segments"] == 2
+    pieces = [b for p, b in fake.calls if p == "/v1/completions"]
+    assert pieces[1]["prompt"] == PROMPT + out.output_ids[:10]
+    assert pieces[1]["max_tokens"] == 40
+    assert ("/pause", {"mode": "keep", "clear_cache": "false"}) in fake.calls
+    flush = [b for p, b in fake.calls if p == "/reset_prefix_cache"]
+    assert flush == [{"reset_running_requests": "true"}]  # while paused: frozen requests preempted
+
+
+@pytest.mark.vtime
+def test_no_piece_is_sent_while_paused() -> None:
+    fake = FakeVLLMServer()
+
+    async def main() -> GenerateOutput:
+        async with _client(fake) as client:
+            await client.update_weight_version(1)
+            await client.pause_generation("abort")
+            async with asyncio.TaskGroup() as tg:
+                task = tg.create_task(
+                    client.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 5})
+                )
+                await asyncio.sleep(5.0)
+                assert not any(p == "/v1/completions" for p, _ in fake.calls)
+                await client.update_weight_version(2)
+                await client.continue_generation()
+            return task.result()
+
+    out = run_virtual(main())
+    assert out.weight_versions == [2] * 5
+
+
+@pytest.mark.vtime
+def test_a_connection_cut_before_the_answer_is_asked_once_more() -> None:
+    fake = FakeVLLMServer()
+
+    async def main() -> None:
+        async with _client(fake) as client:
+            fake.disconnects = 1
+            out = await client.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 3})
+            assert len(out.output_ids) == 3
+            fake.disconnects = 2
+            with pytest.raises(EngineUnavailable, match="RemoteProtocolError"):
+                await client.continue_generation()
+
+    run_virtual(main())
+
+
+@pytest.mark.vtime
+def test_errors_map_onto_engine_errors() -> None:
+    fake = FakeVLLMServer()
+
+    async def main() -> None:
+        async with _client(fake) as client:
+            fake.fail_status["/pause"] = 500
+            with pytest.raises(EngineUnavailable, match="HTTP 500"):
+                await client.pause_generation("abort")
+            fake.fail_status = {"/resume": 404}
+            with pytest.raises(EngineBadResponse, match="VLLM_SERVER_DEV_MODE"):
+                await client.continue_generation()
+            fake.fail_status = {}
+            fake.refuse_flushes = 1
+            with pytest.raises(FlushRefused):
+                await client.flush_cache()
+            await client.flush_cache()
+            with pytest.raises(EngineBadResponse, match="disk"):
+                await client.init_weights_update_group(
+                    master_address="a", master_port=1, rank_offset=1, world_size=2
+                )
+            assert client.weight_broadcast() is None
+            info = await client.server_info()
+            assert (info["engine"], info["tp_size"], info["disable_radix_cache"]) == ("vllm", 1, False)
+        with pytest.raises(EngineUnavailable, match="closed"):
+            await client.generate(input_ids=PROMPT, sampling_params={})
+
+    run_virtual(main())
+
+
+@pytest.mark.vtime
+def test_the_router_drives_vllm_clients_through_a_push() -> None:
+    """The controller's view: an EngineRouter over two vLLM servers (client_factory), one push from disk."""
+    fakes = {"http://a": FakeVLLMServer(), "http://b": FakeVLLMServer()}
+
+    def factory(url: str) -> VLLMClient:
+        return VLLMClient(url, transport=fakes[url].transport(), partial_rollout=True)
+
+    async def main() -> list[GenerateOutput]:
+        policy = RouterPolicy(admin_timeout_s=30.0)
+        async with EngineRouter.open(list(fakes), client_factory=factory, policy=policy) as router:
+            await router.update_weight_version(1)
+            params = {"max_new_tokens": 30}
+            async with asyncio.TaskGroup() as tg:
+                tasks = [
+                    tg.create_task(router.generate(input_ids=[*PROMPT, i], sampling_params=params))
+                    for i in range(6)
+                ]
+                await asyncio.sleep(0.1)
+                await router.pause_generation("retract")
+                await router.flush_cache()
+                await router.update_weights_from_disk("/w/2", version=2)
+                await router.continue_generation()
+            assert router.stats()["router/exclusions"] == 0
+            return [t.result() for t in tasks]
+
+    outs = run_virtual(main())
+    for out in outs:
+        _assert_versions_exact(out, {0: 1, 1: 2})
+        assert len(out.output_ids) == 30
+    assert all(f.loaded == ["/w/2"] for f in fakes.values())
+
+
+_REQUIRED = ["--rollout-batch-size", "2", "--num-rollout", "1", "--use-tis"]
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--vllm-urls", "http://a"], "--vllm-urls, --rollout-backend"),
+        (["--rollout-backend", "vllm", "--sglang-urls", "http://a"], "--sglang-urls, --rollout-backend"),
+        (
+            ["--rollout-backend", "vllm", "--update-weight-transfer-mode", "broadcast"],
+            "--update-weight-transfer-mode, --rollout-backend",
+        ),
+    ],
+)
+def test_bad_vllm_flags_exit_2_naming_them(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from miles_aio.cli import parse_run_config
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_run_config([*_REQUIRED, *argv])
+    assert exit_info.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+@pytest.mark.pure
+def test_vllm_urls_are_the_engines() -> None:
+    from miles_aio.cli import parse_run_config
+
+    cfg = parse_run_config([*_REQUIRED, "--rollout-backend", "vllm", "--vllm-urls", "http://a", "http://b"])
+    assert cfg.engine.num_engines == 2
+    assert cfg.engine.vllm_urls == ("http://a", "http://b")
