@@ -221,6 +221,31 @@ def soak_section(d: dict[str, Any]) -> list[str]:
     ]
 
 
+def controller_section(d: dict[str, Any]) -> list[str]:
+    """`benchmarks.controller`: one row per case (ceiling and lag in real time, scale on virtual time)."""
+    lines = [
+        "## The single controller at scale (`benchmarks.controller`)",
+        "",
+        "Real controller, the simulator's continuous-batching engines (64 running per engine in `scale`), "
+        "zero-time trainer. CPU µs are the process's CPU time over the run per sample and per engine "
+        "request (fake engines included); ceiling = samples/s one core sustains at that cost. See "
+        "[the scale model](guide/scaling.md).",
+        "",
+        "| part | engines | in flight | turns | samples | CPU µs/sample | CPU µs/request | ceiling samples/s "
+        "| loop lag p50 / p99 / max ms | RSS MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in d["results"]:
+        lag = r.get("loop_lag_ms")
+        lag_cell = f"{lag['p50']} / {lag['p99']} / {lag['max']}" if lag else "(virtual time)"
+        lines.append(
+            f"| {r['part']} | {r['engines']} | {r['in_flight']} | {r['turns']} | {r['samples']} "
+            f"| {r['cpu_us_per_sample']} | {r['cpu_us_per_request']} | {r['ceiling_samples_per_s']} "
+            f"| {lag_cell} | {r['rss_mib']['peak_step']} |"
+        )
+    return [*lines, "", "![controller](images/controller.png)", ""]
+
+
 def _ratios(s: dict[str, Any]) -> str:
     return (
         f"median **{s['median']:.3f}** (min {s['min']:.3f}, max {s['max']:.3f}; all: "
@@ -482,6 +507,7 @@ def main() -> None:
         ("engine", engine_section),
         ("weight_sync", weight_sync_section),
         ("soak", soak_section),
+        ("controller", controller_section),
         ("simulate", simulate_section),
         ("tune", lambda d: tune_section(d, images)),
         ("agent_sessions", agent_sessions_section),

@@ -38,7 +38,7 @@ from miles_aio.rollout.context import RolloutContext
 from miles_aio.testing import EmpiricalLengths, FakeLatencyEngine, FakeTokenizer, FakeTrainer, LogNormal
 from miles_aio.types import Sample
 
-__all__ = ["SimConfig", "load_config", "recorded_lengths", "reward", "run_sim"]
+__all__ = ["SimConfig", "load_config", "recorded_lengths", "reward", "run_sim", "sim_engine"]
 
 
 async def reward(ctx: RolloutContext, sample: Sample) -> float:
@@ -179,22 +179,28 @@ def _mean(rows: Sequence[dict[str, float]], key: str) -> float:
     return statistics.fmean(vals) if vals else 0.0
 
 
+def sim_engine(cfg: SimConfig, *, fast_ids: bool = False) -> FakeLatencyEngine:
+    """The engines of `cfg`'s model (`fast_ids`: token ids drawn in one call, see `FakeLatencyEngine`)."""
+    return FakeLatencyEngine(
+        lengths=cfg.lengths(),
+        base_per_token_s=cfg.base_per_token_s,
+        slope_per_token_s=cfg.slope_per_token_s,
+        max_running=cfg.max_running,
+        num_engines=cfg.num_engines,
+        per_token_curve=cfg.curve(),
+        prefill_s=cfg.prefill_s,
+        prefill_curve=cfg.start_curve(),
+        request_latency_s=cfg.request_latency_s,
+        seed=cfg.seed,
+        fast_ids=fast_ids,
+    )
+
+
 def run_sim(cfg: SimConfig) -> dict[str, Any]:
     """Run one simulated run; returns the predicted figures (steady state: after the warm-up steps)."""
     with tempfile.TemporaryDirectory() as tmp:
         rc = cfg.run_config(Path(tmp))
-        engine = FakeLatencyEngine(
-            lengths=cfg.lengths(),
-            base_per_token_s=cfg.base_per_token_s,
-            slope_per_token_s=cfg.slope_per_token_s,
-            max_running=cfg.max_running,
-            num_engines=cfg.num_engines,
-            per_token_curve=cfg.curve(),
-            prefill_s=cfg.prefill_s,
-            prefill_curve=cfg.start_curve(),
-            request_latency_s=cfg.request_latency_s,
-            seed=cfg.seed,
-        )
+        engine = sim_engine(cfg)
         trainer = FakeTrainer(
             step_time_s=cfg.train_step_s,
             per_token_s=cfg.train_per_token_s,

@@ -15,7 +15,7 @@ import enum
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 __all__ = [
     "BufferItem",
@@ -119,7 +119,10 @@ class Sample:
     @property
     def oldest_weight_version(self) -> int | None:
         """The oldest policy version among the generated tokens, or None if none is known."""
-        known = [v for v in self.weight_versions if v is not None]
+        versions = self.weight_versions
+        if None not in versions:  # the common case, scanned in C: no per-token Python loop
+            return min(cast("list[int]", versions)) if versions else None
+        known = [v for v in versions if v is not None]
         return min(known) if known else None
 
     def append(self, out: GenerateOutput) -> None:

@@ -65,6 +65,18 @@ SEGMENT_GAP_S = 1.0
 log = structlog.get_logger("miles_aio.observability")
 
 
+def _first_last_known(versions: list[int | None]) -> tuple[int | None, int | None]:
+    """The first and the last known (not None) version of a request's tokens; None, None if none is."""
+    if not versions:
+        return None, None
+    first, last = versions[0], versions[-1]
+    if first is not None and last is not None:  # the common case: no per-token loop
+        return first, last
+    first = next((v for v in versions if v is not None), None)
+    last = next((v for v in reversed(versions) if v is not None), None)
+    return first, last
+
+
 def _loop_time() -> float:
     try:
         return asyncio.get_running_loop().time()
@@ -151,24 +163,27 @@ class Tracer:
         self, span: RequestSpan, name: str, *, group: Hashable | None, output: GenerateOutput | None
     ) -> None:
         """The request ended (`output` None: it failed or was cancelled): its slice on its engine's track."""
+        self._in_flight_requests -= 1
+        end = self.now()
+        self.counter("engine_requests", self._in_flight_requests, at=end)
+        if len(self.events) >= self.max_events:  # full for good: the slice is dropped, skip its layout
+            self.dropped += 1
+            return
         args: dict[str, Any] = {"group": group}
         if output is None:
             args["finish"] = "error"
             pid = FAILED_PID
         else:
-            versions = [v for v in output.weight_versions if v is not None]
+            first, last = _first_last_known(output.weight_versions)
             args |= {
                 "prompt_tokens": output.prompt_tokens,
                 "tokens": len(output.output_ids),
-                "version_first": versions[0] if versions else None,
-                "version_last": versions[-1] if versions else None,
+                "version_first": first,
+                "version_last": last,
                 "finish": output.finish_reason,
             }
             engine = output.meta.get("engine_index", 0)
             pid = ENGINE_PID_BASE + (engine if isinstance(engine, int) else 0)
-        self._in_flight_requests -= 1
-        end = self.now()
-        self.counter("engine_requests", self._in_flight_requests, at=end)
         # Slices are placed in order of their end, so a lane's last slice ends latest on that lane.
         lanes = self._lanes.setdefault(pid, [])
         lane = next((i for i, last_end in enumerate(lanes) if last_end <= span.start), len(lanes))

@@ -55,17 +55,24 @@ class LimitedEngine:
     async def generate(
         self, *, input_ids: list[int], sampling_params: Mapping[str, Any], routing_key: Hashable | None = None
     ) -> GenerateOutput:
-        async with self.limiter.slot(self.priority):
+        # acquire/release rather than `async with limiter.slot(...)`: no slot object per request
+        await self.limiter.acquire(self.priority)
+        try:
             span, out = self.tracer.request_start(routing_key), None
             try:
                 out = await self.inner.generate(
                     input_ids=input_ids, sampling_params=sampling_params, routing_key=routing_key
                 )
             finally:
-                name = "eval generate" if self.priority > 0 else "generate"
-                self.tracer.request_end(span, name, group=routing_key, output=out)
+                self.tracer.request_end(span, self._name, group=routing_key, output=out)
+        finally:
+            self.limiter.release()
         self.generated_tokens += len(out.output_ids)
         return out
+
+    @property
+    def _name(self) -> str:
+        return "eval generate" if self.priority > 0 else "generate"
 
     async def generate_stream(
         self,

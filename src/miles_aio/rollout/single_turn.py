@@ -24,13 +24,14 @@ def prompt_token_ids(ctx: RolloutContext, sample: Sample) -> list[int]:
 async def generate(ctx: RolloutContext, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
     """Generate one response; respects --rollout-max-context-len (TRUNCATED without a call if full)."""
     input_ids = prompt_token_ids(ctx, sample)
-    params = dict(sampling_params)
+    params = sampling_params
     max_ctx = ctx.config.rollout.rollout_max_context_len
     if max_ctx is not None:
         budget = max_ctx - len(input_ids)
         if budget <= 0:
             sample.status = Status.TRUNCATED
             return sample
+        params = dict(sampling_params)  # the caller's dict is left as it was
         params["max_new_tokens"] = min(int(params["max_new_tokens"]), budget)
     out = await ctx.engine.generate(
         input_ids=input_ids, sampling_params=params, routing_key=sample.group_index

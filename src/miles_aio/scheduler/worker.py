@@ -173,8 +173,13 @@ class RolloutWorker:
         self.finished_groups += 1
 
     def _sample_done(self, gid: int) -> None:
-        self.gate.state.on_sample_done(gid, self.gate.limits.granularity)
-        self.gate.notify()
+        granularity = self.gate.limits.granularity
+        self.gate.state.on_sample_done(gid, granularity)
+        # Under `group` granularity a sample frees no slot and changes nothing `decide_admission` reads
+        # (the group's slots go at once, in on_group_generated): waking the admission loop would only
+        # make it decide "blocked" again, once per sample.
+        if granularity == "sample":
+            self.gate.notify()
 
     # -- checkpoints ----------------------------------------------------------------------------------
     def restore(

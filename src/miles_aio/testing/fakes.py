@@ -18,9 +18,15 @@ needs `work` steps (its length, or its latency) and yields its tokens evenly ove
 `max_running` requests per engine decode (default: no bound), the rest wait in its queue, FIFO. Each
 request's start holds up the engine's decoding (`prefill_s`, or a measured `prefill_curve` by requests
 at the engine: its prefill and handling); `request_latency_s` is latency outside the engine (HTTP,
-client). Processor sharing, event driven: one step counter per engine, a heap of finish thresholds and
-one timer (`loop.call_at`, no task) at the next finish; arrivals, finishes, pauses and version stamps
-move the clock exactly.
+client). Processor sharing, event driven: per engine, a step counter, a heap of finish thresholds and
+one timer (`loop.call_at`, no task) at its next finish; arrivals, finishes, pauses and version stamps
+move the clock exactly. An arrival or a finish touches its own engine only, so a request costs the same
+CPU whether there is one engine or a thousand (`benchmarks.controller` runs 1,024).
+
+Token ids are random draws (`vocab_size`) from the request model's random stream, one per token; with
+`fast_ids=True` they are drawn in one C call per request from a stream of their own (the controller
+benchmark's engines, where the per-token draw would cost more than the controller itself; the other
+draws, response lengths or latencies, then differ from the default's for the same seed).
 
 A pause (retract, in_place) stops decoding, and a paused engine holds new requests until continue, as
 SGLang does; with `mode="abort"` a pause returns every request with the tokens decoded so far and
@@ -131,6 +137,7 @@ class _Engine:
         self.running: dict[int, _Req] = {}
         self.heap: list[tuple[float, int]] = []  # (finish threshold in steps, request id)
         self.queue: collections.deque[tuple[int, _Req]] = collections.deque()
+        self.timer: asyncio.TimerHandle | None = None  # at its next finish
 
     def progress(self, req: _Req) -> int:
         """Tokens `req` has decoded so far."""
@@ -170,6 +177,7 @@ class FakeLatencyEngine(InferenceEngine):
         vocab_size: int = 256,
         seed: int = 0,
         url: str = "fake://engine",
+        fast_ids: bool = False,
     ) -> None:
         if (latency is None) == (lengths is None):
             raise ValueError("give one request model: latency (seconds) or lengths (tokens)")
@@ -188,10 +196,12 @@ class FakeLatencyEngine(InferenceEngine):
         self._cap = math.inf if max_running is None else max_running
         self._vocab = vocab_size
         self._rng = random.Random(seed)
+        self._id_rng = random.Random(seed + 1) if fast_ids else None
+        self._fold = bytes(b % vocab_size for b in range(256)) if vocab_size <= 256 else b""
         self._engines = [_Engine() for _ in range(num_engines)]
+        self._live = 0  # requests at the engines (decoding or queued): `in_flight`, kept without a sum
         self._ids = itertools.count()
         self._rr = itertools.count()
-        self._timer: asyncio.TimerHandle | None = None
         self._paused: PauseMode | None = None
         self._changed = Notifier()
         self.version: int | None = None
@@ -251,20 +261,36 @@ class FakeLatencyEngine(InferenceEngine):
             work = max(0.0, self._latency(self._rng))
             natural = max(1, round(work * self._tokens_per_s))
             n = min(natural, int(sampling_params.get("max_new_tokens", natural)))
-            ids = [self._rng.randrange(self._vocab) for _ in range(n)]
+            ids = self._draw_ids(n)
             return _Req(n=n, work=work * n / natural, fut=fut, ids=ids), natural
         assert self._lengths is not None
         natural = max(1, round(self._lengths(self._rng)))
         n = max(1, min(natural, int(sampling_params.get("max_new_tokens", natural))))
         return _Req(n=n, work=float(n), fut=fut), natural
 
+    def _draw_ids(self, k: int) -> list[int]:
+        """`k` random token ids (see the module docstring: one draw per token, or one C call)."""
+        if self._id_rng is None:
+            return [self._rng.randrange(self._vocab) for _ in range(k)]
+        if self._vocab <= 256:  # bytes, folded onto the vocabulary by a translation table: all in C
+            return list(self._id_rng.randbytes(k).translate(self._fold))
+        return [v % self._vocab for v in memoryview(self._id_rng.randbytes(4 * k)).cast("I")]
+
     def _advance(self, now: float) -> None:
-        stopped = self._paused is not None or self.frozen
+        """Every engine's clock to `now` (before a change that concerns them all: pause, stamp)."""
         for e in self._engines:
-            active_from = max(e.t, e.stall_until)
-            if not stopped and e.running and now > active_from:
-                e.steps += (now - active_from) / self._step_s(len(e.running))
-            e.t = now
+            self._advance_engine(e, now)
+
+    def _advance_engine(self, e: _Engine, now: float) -> None:
+        """One engine's decode steps up to `now`: between two of its events it decodes at a fixed rate
+        (its running set and stall change only at its own events), so advancing it alone is exact."""
+        active_from = max(e.t, e.stall_until)
+        if not (self._paused is not None or self.frozen) and e.running and now > active_from:
+            e.steps += (now - active_from) / self._step_s(len(e.running))
+        e.t = now
+
+    def _recount(self) -> None:
+        self._live = sum(len(e.running) + len(e.queue) for e in self._engines)
 
     def _start_queued(self, e: _Engine, now: float) -> None:
         while e.queue and len(e.running) < self._cap:
@@ -286,28 +312,36 @@ class FakeLatencyEngine(InferenceEngine):
             req.fut.set_result(None)
 
     def _settle(self) -> None:
-        """Advance to now, finish what is due, start queued requests, set the one timer."""
+        """Settle every engine (after a change that concerns them all)."""
+        for e in self._engines:
+            self._settle_engine(e)
+
+    def _settle_engine(self, e: _Engine) -> None:
+        """Advance one engine to now, finish what is due, start queued requests, set its timer."""
         loop = asyncio.get_running_loop()
         now = loop.time()
-        self._advance(now)
-        stopped = self._paused is not None or self.frozen
-        next_at = math.inf
+        self._advance_engine(e, now)
+        before = len(e.running) + len(e.queue)
+        while e.heap and (e.heap[0][1] not in e.running or e.heap[0][0] <= e.steps + _EPS):
+            _, rid = heapq.heappop(e.heap)
+            if rid in e.running:
+                self._finish(e, rid)
+        self._start_queued(e, now)
+        while e.heap and e.heap[0][1] not in e.running:
+            heapq.heappop(e.heap)
+        self._live += len(e.running) + len(e.queue) - before
+        if e.timer is not None:
+            e.timer.cancel()
+            e.timer = None
+        if not (self._paused is not None or self.frozen) and e.heap:
+            left = (e.heap[0][0] - e.steps) * self._step_s(len(e.running))
+            e.timer = loop.call_at(max(max(now, e.stall_until) + left, now), self._settle_engine, e)
+
+    def _cancel_timers(self) -> None:
         for e in self._engines:
-            while e.heap and (e.heap[0][1] not in e.running or e.heap[0][0] <= e.steps + _EPS):
-                _, rid = heapq.heappop(e.heap)
-                if rid in e.running:
-                    self._finish(e, rid)
-            self._start_queued(e, now)
-            while e.heap and e.heap[0][1] not in e.running:
-                heapq.heappop(e.heap)
-            if not stopped and e.heap:
-                left = (e.heap[0][0] - e.steps) * self._step_s(len(e.running))
-                next_at = min(next_at, max(now, e.stall_until) + left)
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if next_at < math.inf:
-            self._timer = loop.call_at(max(next_at, now), self._settle)
+            if e.timer is not None:
+                e.timer.cancel()
+                e.timer = None
 
     def _stamp(self, version: int) -> None:
         """Tokens decoded from now on carry `version`."""
@@ -355,10 +389,9 @@ class FakeLatencyEngine(InferenceEngine):
             e.running.clear()
             e.heap.clear()
             e.queue.clear()
+        self._live = 0
         self._changed.notify()
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._cancel_timers()
 
     def revive(self) -> None:
         def back() -> None:
@@ -396,23 +429,25 @@ class FakeLatencyEngine(InferenceEngine):
         req, natural = self._new_request(sampling_params, loop.create_future())
         e = self._engines[next(self._rr) % len(self._engines)]
         rid = next(self._ids)
-        self._advance(loop.time())
+        self._advance_engine(e, loop.time())
         e.queue.append((rid, req))
-        self._settle()
-        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        self._live += 1
+        self._settle_engine(e)
+        self.max_in_flight = max(self.max_in_flight, self._live)
         try:
             await req.fut
         finally:
             if not req.fut.done() or req.fut.cancelled():  # cancelled: leave the engine
                 req.fut.cancel()
-                e.running.pop(rid, None)
-                self._settle()
+                if e.running.pop(rid, None) is not None:
+                    self._live -= 1
+                self._settle_engine(e)
         k = req.done_tokens
         finish = "abort" if k < req.n else ("length" if req.n < natural else "stop")
         versions: list[int | None] = []
         for (start, v), (end, _) in itertools.pairwise([*req.marks, (k, None)]):
             versions.extend([v] * (max(start, min(end, k)) - start))
-        ids = req.ids[:k] if req.ids is not None else [self._rng.randrange(self._vocab) for _ in range(k)]
+        ids = req.ids[:k] if req.ids is not None else self._draw_ids(k)
         return GenerateOutput(
             text="",
             output_ids=ids,
@@ -439,6 +474,7 @@ class FakeLatencyEngine(InferenceEngine):
                     _, req = e.queue.popleft()
                     if not req.fut.done():
                         req.fut.set_result(None)
+            self._recount()
 
         self._stop_or_go(pause)
 
@@ -514,9 +550,7 @@ class FakeLatencyEngine(InferenceEngine):
         }
 
     async def aclose(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._cancel_timers()
 
 
 class FakeTrainer:
