@@ -173,17 +173,21 @@ ABLATION: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("  … 20-step lr warmup", {}, {"warmup": 20}),
     ("token embeddings N(0, 1) (torch.nn.Embedding's init)", {"embedding_std": 1.0}, {}),
     ("  … 20-step lr warmup", {"embedding_std": 1.0}, {"warmup": 20}),
+    ("torch.nn's init: linear U(±1/√fan_in), embeddings N(0, 1) (the recipes')", {"init": "torch"}, {}),
 ]
 
 
-def ablation(work: Path, *, steps: int = 100, lr: float = 3e-4, seed: int = 0) -> list[dict[str, Any]]:
-    """Which part of the tiny Llama makes one Adam step move the policy so far: each row warm-starts the
-    model (cached per init), then trains `steps` steps at `lr` and records the first steps' KL."""
+def ablation(
+    work: Path, *, steps: int = 100, lr: float = 3e-4, seed: int = 0, only: str = ""
+) -> list[dict[str, Any]]:
+    """Which part of the tiny Llama makes one Adam step move the policy so far: each row (those whose
+    label contains `only`) warm-starts the model (cached per init), then trains `steps` steps at `lr` and
+    records the first steps' KL."""
     from miles_aio.tasks.arithmetic import warm_start
 
     rows = []
     train, _ = make_splits()
-    for label, init, overrides in ABLATION:
+    for label, init, overrides in (row for row in ABLATION if only in row[0]):
         model_dir = work / ("model-" + ("-".join(f"{k}={v}" for k, v in sorted(init.items())) or "default"))
         if not (model_dir / "model.safetensors").is_file():
             warm_start(model_dir, train, seed=seed, model_kwargs=init)
@@ -208,9 +212,10 @@ def main() -> None:
         action="store_true",
         help="MODEL_DIR is a work dir: run the init/lr-sensitivity ablation there (100 steps at lr 3e-4)",
     )
+    p.add_argument("--only", default="", help="with --ablation: only the rows whose label contains this")
     a = p.parse_args()
     if a.ablation:
-        table = ablation(a.model_dir)
+        table = ablation(a.model_dir, only=a.only)
         print("| variant | KL/token, steps 1, 2, 3 | held-out, start → step 100 |\n|---|---|---|")
         for r in table:
             kl = ", ".join(f"{x:.3f}" for x in r["kl_per_token"])

@@ -36,6 +36,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# The bare loop runs in this process: give its OpenMP threads the wait policy every process of a run gets
+# from `import miles_aio` (set before torch loads; see miles_aio/__init__.py), so that neither side spins
+# on cores the other side (or the machine's other load) is using.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 DEFAULT_ARMS = "async,on_policy,lr=1e-4,lr=3e-4,bare"
 MARK_STEPS = (50, 100, 200, 300, 500)
 

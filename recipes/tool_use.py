@@ -113,6 +113,8 @@ def prepare(cfg: RunConfig, args: RecipeArgs[quickstart.Options]) -> None:
             solve=solve,
             target_accuracy=args.options.warm_start_accuracy,
             seed=args.options.warm_start_seed,
+            check_every=args.options.warm_start_check_every,
+            model_kwargs={"init": args.options.model_init},
         )
 
 

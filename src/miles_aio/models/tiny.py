@@ -37,7 +37,7 @@ import functools
 import json
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 import torch
 from safetensors.torch import save_file
@@ -54,6 +54,7 @@ __all__ = [
     "PAD_TOKEN",
     "SPECIAL_TOKENS",
     "UNK_TOKEN",
+    "Init",
     "build_tiny_llama",
     "load_tokenizer",
 ]
@@ -68,6 +69,13 @@ _UNK_SEED_OFFSET: Final = 0x0BAD_C4A7
 """The row of UNK_TOKEN comes from its own generator, seeded `seed + this`."""
 _INITIALIZER_RANGE: Final = 0.02
 """Std of the normal init of every matrix, as transformers' `LlamaConfig.initializer_range` default."""
+Init = Literal["transformers", "torch"]
+"""How `build_tiny_llama` draws the weights. `transformers`: every matrix ~ N(0, 0.02), as transformers
+inits a Llama. `torch`: what torch.nn's modules draw when they are built: every linear weight
+~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (about 2.5x larger at hidden 128) and the token embedding ~ N(0, 1).
+Norm weights are 1 in both. On the tiny models the recipes warm-start, `torch` is what makes RL tolerate a
+real learning rate: one Adam step at lr 3e-4 moves the policy by a KL of ~0.06 per token instead of ~0.3
+(docs/learning.md, `benchmarks.bare_grpo --ablation`)."""
 # The default chat template: the alphabet is arbitrary, so role markers could not be encoded anyway.
 _CHAT_TEMPLATE: Final = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 END_OF_TURN_TOKEN: Final = "<|end|>"
@@ -107,7 +115,8 @@ def build_tiny_llama(
     rope_theta: float = 10000.0,
     rms_norm_eps: float = 1e-6,
     tie_word_embeddings: bool = False,
-    embedding_std: float = _INITIALIZER_RANGE,
+    init: Init = "transformers",
+    embedding_std: float | None = None,
     seed: int = 0,
     chat_tokens: bool = False,
 ) -> Path:
@@ -115,8 +124,8 @@ def build_tiny_llama(
 
     The same arguments give byte-identical weights (the init uses its own seeded `torch.Generator`).
     `intermediate_size` defaults to 2 × `hidden_size` (rounded up to a multiple of 8).
-    `embedding_std`: std of the token embedding's init (every other matrix: 0.02, as transformers; the
-    default is transformers' too). `benchmarks.bare_grpo --ablation` compares 1.0 (torch.nn.Embedding's).
+    `init`: how the weights are drawn (see `Init`); `embedding_std` overrides the std of the token
+    embedding's normal init (default: the init's, 0.02 or 1.0; `benchmarks.bare_grpo --ablation` varies it).
     `chat_tokens`: add `CHAT_TOKENS` and a chat template with role markers (see the module docstring);
     every other id and tensor value stays what it is without it.
     """
@@ -180,8 +189,11 @@ def build_tiny_llama(
         out_dir / "generation_config.json",
         {"bos_token_id": bos_id, "eos_token_id": eos_ids, "pad_token_id": pad_id},
     )
-    weights = _init_weights(config | {"vocab_size": base_vocab_size}, seed=seed, embedding_std=embedding_std)
-    grow = functools.partial(_append_rows, embedding_std=embedding_std)
+    emb_std = embedding_std if embedding_std is not None else (1.0 if init == "torch" else _INITIALIZER_RANGE)
+    weights = _init_weights(
+        config | {"vocab_size": base_vocab_size}, seed=seed, init=init, embedding_std=emb_std
+    )
+    grow = functools.partial(_append_rows, init=init, embedding_std=emb_std)
     weights = grow(weights, unk_vocab_size - base_vocab_size, seed=seed + _UNK_SEED_OFFSET)
     if chat_tokens:
         weights = grow(weights, vocab_size - unk_vocab_size, seed=seed + _CHAT_SEED_OFFSET)
@@ -218,15 +230,24 @@ def load_tokenizer(model_dir: Path | str) -> PreTrainedTokenizerFast:
     )
 
 
-def _init_weights(config: dict[str, Any], *, seed: int, embedding_std: float) -> dict[str, torch.Tensor]:
-    """HF Llama tensor names → float32 tensors: matrices ~ N(0, 0.02), norms = 1 (as transformers inits),
-    the token embedding ~ N(0, embedding_std)."""
+def _matrix(rows: int, cols: int, *, gen: torch.Generator, init: Init) -> torch.Tensor:
+    """One linear weight (`cols` = fan_in), drawn as `init` says."""
+    if init == "torch":  # nn.Linear's kaiming_uniform_(a=sqrt(5)): U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+        return (torch.rand(rows, cols, generator=gen) * 2 - 1) / math.sqrt(cols)
+    return torch.randn(rows, cols, generator=gen) * _INITIALIZER_RANGE
+
+
+def _init_weights(
+    config: dict[str, Any], *, seed: int, init: Init, embedding_std: float
+) -> dict[str, torch.Tensor]:
+    """HF Llama tensor names → float32 tensors: matrices as `init` says, norms = 1, the token embedding
+    ~ N(0, embedding_std)."""
     gen = torch.Generator().manual_seed(seed)
     h, inter, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     hd, nh, nkv = config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
 
-    def normal(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * _INITIALIZER_RANGE
+    def normal(rows: int, cols: int) -> torch.Tensor:
+        return _matrix(rows, cols, gen=gen, init=init)
 
     embed = torch.randn(v, h, generator=gen) * embedding_std
     weights: dict[str, torch.Tensor] = {"model.embed_tokens.weight": embed}
@@ -250,16 +271,19 @@ def _init_weights(config: dict[str, Any], *, seed: int, embedding_std: float) ->
 
 
 def _append_rows(
-    weights: dict[str, torch.Tensor], n: int, *, seed: int, embedding_std: float
+    weights: dict[str, torch.Tensor], n: int, *, seed: int, init: Init, embedding_std: float
 ) -> dict[str, torch.Tensor]:
     """Grow the vocab-sized tensors by `n` rows from their own generator (others untouched): embedding
-    rows ~ N(0, embedding_std), lm_head rows ~ N(0, 0.02)."""
+    rows ~ N(0, embedding_std), lm_head rows as `init` draws a linear weight."""
     gen = torch.Generator().manual_seed(seed)
     out = dict(weights)
-    for name, std in (("model.embed_tokens.weight", embedding_std), ("lm_head.weight", _INITIALIZER_RANGE)):
-        if name in out:
-            rows = torch.randn(n, out[name].shape[1], generator=gen) * std
-            out[name] = torch.cat([out[name], rows])
+    embed = out["model.embed_tokens.weight"]
+    out["model.embed_tokens.weight"] = torch.cat(
+        [embed, torch.randn(n, embed.shape[1], generator=gen) * embedding_std]
+    )
+    if "lm_head.weight" in out:
+        head = out["lm_head.weight"]
+        out["lm_head.weight"] = torch.cat([head, _matrix(n, head.shape[1], gen=gen, init=init)])
     return out
 
 
