@@ -87,6 +87,7 @@ from miles_aio.eval.build import build_eval_dispatcher
 from miles_aio.eval.dispatcher import EvalPoints
 from miles_aio.eval.snapshots import save_hf_checkpoint
 from miles_aio.inference.base import InferenceEngine
+from miles_aio.inference.router import EngineRouter
 from miles_aio.ledger import Ledger
 from miles_aio.metrics import MetricsSink, rollout_batch_metrics
 from miles_aio.observability.accounting import StepAccounting, StepClock
@@ -492,6 +493,8 @@ class Controller:
                     need=need,
                     in_flight_groups=self.gate.state.in_flight_groups,
                 )
+                if isinstance(self.engine.inner, EngineRouter):  # fakes in tests have no fleet to probe
+                    await self.engine.inner.probe_stalled()  # excludes an engine that stopped answering
                 continue
             except BufferClosed:
                 if self._worker_error is None:

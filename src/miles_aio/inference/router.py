@@ -812,6 +812,14 @@ class EngineRouter:
         """`/health_generate` on the ACTIVE engines; one that fails is excluded."""
         await self._on_members("health_generate", lambda c: c.health_generate())
 
+    async def probe_stalled(self) -> None:
+        """The run waits and nothing completes: `/health_generate` on the ACTIVE engines, as
+        `health_generate`, unless a push is in progress (its engines are paused on purpose, and the push
+        has its own deadline). Without it a frozen engine would only be found at the next push, and with
+        an empty buffer no step comes to push: the only engine frozen would hang the run."""
+        if self._push is None:
+            await self.health_generate()
+
     # ---- metrics -------------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, float]:
