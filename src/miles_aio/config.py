@@ -386,7 +386,11 @@ class DriverConfig:
     save_interval: int | None = opt(None, "Save a checkpoint every N steps (needs --save).")
     load: Path | None = opt(None, "Resume from this checkpoint directory.")
     eval_interval: int | None = opt(None, "Evaluate every N steps, and after the last step.")
-    stall_warning_s: float = opt(30.0, "Log a warning when the drain waits this long without a group.")
+    stall_warning_s: float = opt(
+        30.0,
+        "When the drain waits this long without a group: log a warning and probe the engines "
+        "(/health_generate within --engine-admin-timeout-s; one that does not answer is excluded).",
+    )
 
     def __post_init__(self) -> None:
         _positive(self.num_rollout, "num_rollout", zero_ok=True)
