@@ -242,6 +242,13 @@ class EngineConfig:
     rollout_num_gpus: int = opt(1, "GPUs for rollout engines (local backend: engine processes).")
     rollout_num_gpus_per_engine: int = opt(1, "GPUs per engine, i.e. its tensor-parallel size.")
     engine_num_threads: int = opt(1, "torch threads per embedded engine (local backend).")
+    engine_batch_generate: bool = opt(
+        True,
+        "Send a prompt group's /generate calls made in the same event-loop tick as one batch /generate "
+        "(SGLang's list-valued input_ids; SGLang and the embedded engine, not vLLM): one HTTP round trip "
+        "instead of one per sample. A batch answers when its last item finishes; "
+        "--no-engine-batch-generate sends every call alone.",
+    )
     engine_admin_timeout_s: float = opt(
         60.0,
         "Deadline of each engine's answer to a weight-push call (pause, flush, load, stamp, continue): an "

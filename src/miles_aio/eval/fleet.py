@@ -265,7 +265,9 @@ async def open_eval_engines(
                         api_key=e.sglang_api_key,
                     )
                 )
-        yield await stack.enter_async_context(EngineRouter.open(urls, api_key=e.sglang_api_key))
+        yield await stack.enter_async_context(
+            EngineRouter.open(urls, api_key=e.sglang_api_key, batch_generate=e.engine_batch_generate)
+        )
 
 
 def _same_path(served: str, sent: str) -> bool:

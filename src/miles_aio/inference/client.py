@@ -13,6 +13,16 @@ Partial rollout (`partial_rollout=True`): a `/generate` aborted because this han
 `abort` mode keeps its tokens; the call waits until `continue_generation()` has been called on this handle
 (an `asyncio.Event`) and resubmits `input_ids + produced`, `max_new_tokens` reduced by what was produced,
 to the same server. The pieces join into one `GenerateOutput` with the producing version of every token.
+
+Batching (`batch_generate=True`, the run's `--engine-batch-generate`): `/generate` calls with the same
+routing key (a prompt group's samples) made in the same event-loop tick go to the server as ONE batch
+`/generate` (SGLang's list-valued `input_ids`/`rid`/`sampling_params`), one HTTP round trip instead of n:
+on the 2-core quickstart that round trip was the largest cost of the controller and of the engine's
+event loop. The first call of a tick leads: it waits one tick for the others, sends, and hands each its
+own answer. Each call keeps its own outcome: an item's malformed answer fails that item only, a batch
+the server refuses with a 4xx is resent item by item (one bad prompt must not fail its siblings), and if
+the leader is cancelled the others send on their own. A batch answers when its last item finishes, which
+costs a single-turn group nothing (the group waits for its slowest sample anyway).
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ from miles_aio.inference.wire import (
     SGLANG_DEFAULT_MAX_NEW_TOKENS,
     StreamDecoder,
     decode_json_object,
+    decode_json_value,
     encode_json,
     join_pieces,
     parse_generate_response,
@@ -81,6 +92,29 @@ class ClientTimeouts:
 class FlushRefused(EngineBadResponse):
     """`/flush_cache` answered 400: the server refuses to flush while requests are running or queued.
     Usually transient (requests still draining after a pause), so the router retries it, bounded."""
+
+
+@dataclass(slots=True)
+class _Item:
+    """One call's share of a (possibly batched) `/generate`."""
+
+    rid: str
+    input_ids: list[int]
+    sampling_params: dict[str, Any]
+
+
+@dataclass(slots=True)
+class _Batch:
+    """The calls gathered in one tick under one routing key: the leader's item first, then each
+    follower's item with the future its answer (or error) is delivered to."""
+
+    items: list[_Item]
+    waiters: list[asyncio.Future[GenerateOutput]]
+
+
+class _SendAlone(Exception):
+    """Internal: this call's batch could not answer it (the server refused the batch with a 4xx, or the
+    leader was cancelled): send the item by itself."""
 
 
 class _State(enum.Enum):
@@ -241,11 +275,17 @@ class SGLangClient:
         api_key: str | None = None,
         timeouts: ClientTimeouts = ClientTimeouts(),
         partial_rollout: bool = False,
+        batch_generate: bool = False,
         max_connections: int = 2048,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.url: Final = url.rstrip("/")
         self.partial_rollout: Final = partial_rollout
+        self.batch_generate: Final = batch_generate
+        self._open_batches: dict[Hashable, _Batch] = {}
+        """Per routing key, the batch gathering calls during the current tick (its leader is waiting)."""
+        self.batched_requests = 0
+        """How many `/generate` round trips carried more than one call."""
         self._timeouts = timeouts
         self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._transport = transport or AiohttpTransport(max_connections=max_connections)
@@ -374,34 +414,117 @@ class SGLangClient:
     async def _generate_once(
         self, input_ids: list[int], sampling_params: Mapping[str, Any], routing_key: Hashable | None
     ) -> tuple[GenerateOutput, bool]:
-        """One `/generate`; also says whether a pause in abort mode started while it was in flight."""
+        """One `/generate` (alone, or one item of a batch); also says whether a pause in abort mode
+        started while it was in flight."""
         self._check_open()
-        rid = f"{self._rid_prefix}-{next(self._rid_counter)}"
+        item = _Item(f"{self._rid_prefix}-{next(self._rid_counter)}", input_ids, dict(sampling_params))
+        epoch = self._pause_epoch
+        if self.batch_generate and routing_key is not None:
+            out = await self._batched(item, routing_key)
+        else:
+            out = await self._post_one(item, routing_key)
+        if type(max_new := sampling_params.get("max_new_tokens")) is int and len(out.output_ids) > max_new:
+            where = f"{self.url}/generate rid={item.rid}"
+            raise EngineBadResponse(f"{where}: {len(out.output_ids)} tokens for max_new_tokens={max_new}")
+        return out, self._abort_paused or self._pause_epoch != epoch
+
+    async def _batched(self, item: _Item, key: Hashable) -> GenerateOutput:
+        """Join the batch gathering under `key` this tick, or lead one: wait a tick, send them all.
+
+        Waits for: (a follower) the leader's delivery; (the leader) one loop tick, then the answer."""
+        if (batch := self._open_batches.get(key)) is not None:
+            waiter: asyncio.Future[GenerateOutput] = asyncio.get_running_loop().create_future()
+            batch.items.append(item)
+            batch.waiters.append(waiter)
+            try:
+                return await waiter
+            except _SendAlone:
+                return await self._post_one(item, key)
+        batch = self._open_batches[key] = _Batch([item], [])
+        try:
+            try:
+                await asyncio.sleep(0)  # the rest of the group reaches here in this same tick
+            finally:
+                if self._open_batches.get(key) is batch:
+                    del self._open_batches[key]
+            if not batch.waiters:
+                return await self._post_one(item, key)
+            self.batched_requests += 1
+            outs = await self._post_batch(batch.items, key)
+        except _SendAlone:
+            _deliver(batch.waiters, _SendAlone())
+            return await self._post_one(item, key)
+        except BaseException as e:
+            # cancelled (or a bug): the others send on their own; an engine error is everyone's
+            _deliver(batch.waiters, e)
+            raise
+        for waiter, out in zip(batch.waiters, outs[1:], strict=True):
+            if not waiter.done():  # a cancelled follower's answer is dropped
+                if isinstance(out, EngineError):
+                    waiter.set_exception(out)
+                else:
+                    waiter.set_result(out)
+        if isinstance(outs[0], EngineError):
+            raise outs[0]
+        return outs[0]
+
+    async def _post_one(self, item: _Item, routing_key: Hashable | None) -> GenerateOutput:
+        """One `/generate` for one item."""
+        out = (await self._post_batch([item], routing_key))[0]
+        if isinstance(out, EngineError):
+            raise out
+        return out
+
+    async def _post_batch(
+        self, items: list[_Item], routing_key: Hashable | None
+    ) -> list[GenerateOutput | EngineError]:
+        """One `/generate` carrying `items` (a plain request for one, SGLang's batch form for several):
+        each item's answer, or the EngineBadResponse its part of the answer earned. Raises what fails
+        them all (EngineError); `_SendAlone` if the server refused a batch with a 4xx."""
+        one = len(items) == 1
         body = {
-            "rid": rid,
-            "input_ids": input_ids,
-            "sampling_params": dict(sampling_params),
+            "rid": items[0].rid if one else [i.rid for i in items],
+            "input_ids": items[0].input_ids if one else [i.input_ids for i in items],
+            "sampling_params": items[0].sampling_params if one else [i.sampling_params for i in items],
             "return_logprob": True,
             "stream": False,
         }
         headers = self._gen_headers
         if routing_key is not None:
             headers = {**headers, ROUTING_KEY_HEADER: str(routing_key)}
-        epoch = self._pause_epoch
         try:
             answer = await self._send("/generate", self._post_generate(encode_json(body), headers))
         except EngineUnavailable as e:
             if isinstance(e.__cause__, httpx.TimeoutException):  # the server may still be generating: stop it
-                try:
-                    await self.abort_request(rid=rid)
-                except EngineError as abort_error:
-                    _log.warning("abort_after_timeout_failed", url=self.url, rid=rid, error=str(abort_error))
+                async with asyncio.TaskGroup() as tg:
+                    for i in items:
+                        tg.create_task(self._abort_after_timeout(i.rid), name=f"abort-{i.rid}")
             raise
-        where = f"{self.url}/generate rid={rid}"
-        out = parse_generate_response(decode_json_object(answer, where), where=where)
-        if type(max_new := sampling_params.get("max_new_tokens")) is int and len(out.output_ids) > max_new:
-            raise EngineBadResponse(f"{where}: {len(out.output_ids)} tokens for max_new_tokens={max_new}")
-        return out, self._abort_paused or self._pause_epoch != epoch
+        except EngineBadResponse as e:
+            if not one and " HTTP 4" in str(e):
+                raise _SendAlone() from e
+            raise
+        if one:
+            where = f"{self.url}/generate rid={items[0].rid}"
+            return [parse_generate_response(decode_json_object(answer, where), where=where)]
+        where = f"{self.url}/generate (batch of {len(items)})"
+        data = decode_json_value(answer, where)
+        if type(data) is not list or len(data) != len(items):
+            got = f"a list of {len(data)}" if type(data) is list else type(data).__name__
+            raise EngineBadResponse(f"{where}: expected a list of {len(items)} answers, got {got}")
+        outs: list[GenerateOutput | EngineError] = []
+        for i, answer_item in zip(items, data, strict=True):
+            try:
+                outs.append(parse_generate_response(answer_item, where=f"{self.url}/generate rid={i.rid}"))
+            except EngineBadResponse as e:
+                outs.append(e)
+        return outs
+
+    async def _abort_after_timeout(self, rid: str) -> None:
+        try:
+            await self.abort_request(rid=rid)
+        except EngineError as e:
+            _log.warning("abort_after_timeout_failed", url=self.url, rid=rid, error=str(e))
 
     async def _post_generate(self, content: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
         """The hot path: straight into aiohttp when that is the transport, else one httpx.Request."""
@@ -707,3 +830,21 @@ def _sse_data(event: bytes) -> bytes | None:
         return event[6:].strip()
     lines = [line[5:].strip() for line in event.splitlines() if line.startswith(b"data:")]
     return b"\n".join(lines) if lines else None
+
+
+def _deliver(waiters: list[asyncio.Future[GenerateOutput]], error: BaseException) -> None:
+    """Fail every follower still waiting: with a copy of `error` if it is an EngineError (one instance
+    each: raised in several tasks, a shared exception would collect all their tracebacks), else (the
+    leader cancelled, or a bug) with `_SendAlone`."""
+    for w in waiters:
+        if not w.done():
+            w.set_exception(_copy_error(error) if isinstance(error, EngineError) else _SendAlone())
+
+
+def _copy_error(error: BaseException) -> BaseException:
+    """A fresh exception of `error`'s type and message, with its cause (what the router inspects)."""
+    if not isinstance(error, EngineError):
+        return error
+    copy = type(error)(str(error))
+    copy.__cause__ = error.__cause__
+    return copy

@@ -157,6 +157,7 @@ async def open_engines(
                 urls,
                 api_key=e.sglang_api_key,
                 partial_rollout=cfg.driver.partial_rollout,
+                batch_generate=e.engine_batch_generate,  # SGLang-API clients (not a client_factory's)
                 policy=policy,
                 client_factory=factory,
             )

@@ -243,6 +243,7 @@ class EngineRouter:
         *,
         api_key: str | None = None,
         partial_rollout: bool = False,
+        batch_generate: bool = False,
         policy: RouterPolicy | None = None,
         timeouts: ClientTimeouts | None = None,
         max_connections: int = 2048,
@@ -256,6 +257,7 @@ class EngineRouter:
             api_key=api_key,
             timeouts=timeouts or ClientTimeouts(),
             partial_rollout=partial_rollout,
+            batch_generate=batch_generate,
             max_connections=max_connections,
         )
         self._engines: Final = tuple(_Engine(i, self._new_client(url)) for i, url in enumerate(urls))
@@ -281,6 +283,7 @@ class EngineRouter:
         *,
         api_key: str | None = None,
         partial_rollout: bool = False,
+        batch_generate: bool = False,
         policy: RouterPolicy | None = None,
         timeouts: ClientTimeouts | None = None,
         max_connections: int = 2048,
@@ -292,6 +295,7 @@ class EngineRouter:
             urls,
             api_key=api_key,
             partial_rollout=partial_rollout,
+            batch_generate=batch_generate,
             policy=policy,
             timeouts=timeouts,
             max_connections=max_connections,

@@ -35,6 +35,7 @@ __all__ = [
     "SGLANG_DEFAULT_MAX_NEW_TOKENS",
     "StreamDecoder",
     "decode_json_object",
+    "decode_json_value",
     "encode_json",
     "join_pieces",
     "parse_generate_response",
@@ -303,12 +304,17 @@ def join_pieces(pieces: list[GenerateOutput], *, max_new_tokens: int) -> Generat
     )
 
 
-def decode_json_object(body: bytes, where: str) -> dict[str, Any]:
-    """Decode an answer that must be a JSON object; raise EngineBadResponse otherwise."""
+def decode_json_value(body: bytes, where: str) -> object:
+    """Decode an answer that must be JSON; raise EngineBadResponse otherwise."""
     try:
-        data = _decode_json(body)
+        return _decode_json(body)
     except _JSON_ERRORS as e:
         raise EngineBadResponse(f"{where}: invalid JSON ({e}); body starts {body[:80]!r}") from e
+
+
+def decode_json_object(body: bytes, where: str) -> dict[str, Any]:
+    """Decode an answer that must be a JSON object; raise EngineBadResponse otherwise."""
+    data = decode_json_value(body, where)
     if type(data) is not dict:
         raise EngineBadResponse(f"{where}: expected a JSON object, got {type(data).__name__}")
     return data

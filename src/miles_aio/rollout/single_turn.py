@@ -17,7 +17,11 @@ def prompt_token_ids(ctx: RolloutContext, sample: Sample) -> list[int]:
         return sample.tokens
     if ctx.tokenizer is None:
         raise RuntimeError("the sample has no tokens and the rollout context has no tokenizer")
-    sample.tokens = encode_prompt(ctx.tokenizer, sample.prompt)
+    ids = ctx.prompt_ids.get(sample.group_index, sample.prompt)  # a sibling sample encoded it
+    if ids is None:
+        ids = encode_prompt(ctx.tokenizer, sample.prompt)
+        ctx.prompt_ids.put(sample.group_index, sample.prompt, ids)
+    sample.tokens = ids
     return sample.tokens
 
 

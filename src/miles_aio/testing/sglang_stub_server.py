@@ -285,6 +285,9 @@ class SGLangStubServer:
     # ---- /generate -----------------------------------------------------------------------------------
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
+        """One prompt, or SGLang's batch form (list-valued `input_ids`, with a list or one object of
+        `sampling_params` and a list of `rid`s): a list of answers in order. A fault applies to the whole
+        request: `abort` to every item, `mutate` to every item's answer, `cut` to the whole body."""
         body: dict[str, Any] = request[_BODY]
         if self._request_schema is not None:
             try:
@@ -292,6 +295,33 @@ class SGLangStubServer:
             except ValueError as e:  # JsonContractError: SGLang's http_server answers 400 {"error": ...}
                 return web.json_response({"error": str(e)}, status=400)
         fault: _Fault | None = request.get(_FAULT)
+        ids = body["input_ids"]
+        if not (ids and isinstance(ids[0], list)):
+            out = await self._generate_one(body, fault)
+            if isinstance(out, bytes):
+                return web.Response(body=out, content_type="application/json")
+            return await self._answer(request, out, fault)
+        raw_params, rids = body.get("sampling_params"), body.get("rid")
+        items = [
+            {
+                **body,
+                "input_ids": item_ids,
+                "sampling_params": raw_params[i] if isinstance(raw_params, list) else raw_params,
+                "rid": rids[i] if isinstance(rids, list) else None,
+            }
+            for i, item_ids in enumerate(ids)
+        ]
+        outs = await asyncio.gather(*(self._generate_one(item, fault) for item in items))
+        answers = [json.loads(out) if isinstance(out, bytes) else out for out in outs]
+        return await self._answer(request, answers, fault)
+
+    async def _answer(self, request: web.Request, out: Any, fault: _Fault | None) -> web.StreamResponse:
+        if fault is not None and fault.kind == "cut":
+            return await _cut(request, json.dumps(out).encode())
+        return web.json_response(out)
+
+    async def _generate_one(self, body: dict[str, Any], fault: _Fault | None) -> Any:
+        """One prompt's answer: a JSON value, or bytes from a `mutate` fault's `apply`."""
         input_ids: list[int] = body["input_ids"]
         params: dict[str, Any] = body.get("sampling_params") or {}
         max_new = int(params.get("max_new_tokens", 128))
@@ -351,12 +381,8 @@ class SGLangStubServer:
                 obj, key = _walk(out, dotted)
                 del obj[key]
             if (apply := fault.spec.get("apply")) is not None:
-                answer = apply(out)
-                data = answer if isinstance(answer, bytes) else json.dumps(answer).encode()
-                return web.Response(body=data, content_type="application/json")
-        if fault is not None and fault.kind == "cut":
-            return await _cut(request, json.dumps(out).encode())
-        return web.json_response(out)
+                return apply(out)
+        return out
 
     async def _step(self, req: _Req) -> None:
         """One simulated decode step: waits `token_latency_s` (cut short by an abort), then, while the
