@@ -492,17 +492,14 @@ class SGLangClient:
         headers = self._gen_headers
         if routing_key is not None:
             headers = {**headers, ROUTING_KEY_HEADER: str(routing_key)}
+        exchange = self._post_generate(encode_json(body), headers)
         try:
-            answer = await self._send("/generate", self._post_generate(encode_json(body), headers))
+            answer = await self._send("/generate", exchange if one else _send_alone_on_4xx(exchange))
         except EngineUnavailable as e:
             if isinstance(e.__cause__, httpx.TimeoutException):  # the server may still be generating: stop it
                 async with asyncio.TaskGroup() as tg:
                     for i in items:
                         tg.create_task(self._abort_after_timeout(i.rid), name=f"abort-{i.rid}")
-            raise
-        except EngineBadResponse as e:
-            if not one and " HTTP 4" in str(e):
-                raise _SendAlone() from e
             raise
         if one:
             where = f"{self.url}/generate rid={items[0].rid}"
@@ -841,10 +838,16 @@ def _deliver(waiters: list[asyncio.Future[GenerateOutput]], error: BaseException
             w.set_exception(_copy_error(error) if isinstance(error, EngineError) else _SendAlone())
 
 
-def _copy_error(error: BaseException) -> BaseException:
+async def _send_alone_on_4xx(exchange: Awaitable[tuple[int, bytes]]) -> tuple[int, bytes]:
+    """A batch's exchange: a 4xx refuses the batch, not necessarily each item (`_SendAlone`)."""
+    status, body = await exchange
+    if 400 <= status < 500:
+        raise _SendAlone
+    return status, body
+
+
+def _copy_error(error: EngineError) -> EngineError:
     """A fresh exception of `error`'s type and message, with its cause (what the router inspects)."""
-    if not isinstance(error, EngineError):
-        return error
     copy = type(error)(str(error))
     copy.__cause__ = error.__cause__
     return copy
