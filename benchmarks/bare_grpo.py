@@ -1,6 +1,6 @@
 """The baseline of `benchmarks.learning`: GRPO in one process, one loop, no runtime. Not the product.
 
-    python -m benchmarks.bare_grpo MODEL_DIR [--steps 300] [--lr 1e-4] [--seed 0]
+    python -m benchmarks.bare_grpo MODEL_DIR [--steps 300] [--lr 1e-4] [--decoupled-lr 1e-3] [--seed 0]
 
 What a user comparing miles_aio with "a GRPO script" would write: sample B prompts × n completions at
 temperature 1 with a KV cache, score them (exact match), group-normalised advantages, a token-mean
@@ -61,14 +61,14 @@ def held_out_accuracy(model: Any, tok: Any, problems: list[Problem], max_new: in
     return sum(a == p.answer for a, p in zip(answers, problems, strict=True)) / len(problems)
 
 
-def lr_factor(step: int, *, warmup: int, decay_steps: int | None, min_ratio: float) -> float:
-    """Megatron's schedule as the trainer runs it: linear warmup from 0, then cosine to lr·min_ratio."""
+def lr_at(step: int, *, top: float, low: float, warmup: int, decay_steps: int | None) -> float:
+    """Megatron's schedule as the trainer runs it: linear warmup from 0 to `top`, then cosine to `low`."""
     if warmup and step <= warmup:
-        return step / warmup
+        return top * step / warmup
     if decay_steps is None:
-        return 1.0
+        return top
     rho = min(1.0, (step - warmup) / max(decay_steps - warmup, 1))
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (math.cos(math.pi * rho) + 1.0)
+    return low + (top - low) * 0.5 * (math.cos(math.pi * rho) + 1.0)
 
 
 def run(
@@ -84,15 +84,19 @@ def run(
     warmup: int = 0,
     decay_steps: int | None = None,
     min_lr: float = 0.0,
+    decoupled_lr: float | None = None,
+    decoupled_min_lr: float | None = None,
     betas: tuple[float, float] = (0.9, 0.98),
     clip: float = 1.0,
     threads: int | None = None,
     lr_scale: Mapping[str, float] | None = None,
     kl_steps: int = 0,
 ) -> dict[str, Any]:
-    """Train for `steps` steps; `lr_scale` multiplies the lr of parameters whose name contains a key
-    (the ablation's "which component is sensitive"); the first `kl_steps` steps also record how far the
-    update moved the policy: KL(before ‖ after) per response token of that step's batch."""
+    """Train for `steps` steps; `decoupled_lr` / `decoupled_min_lr` (default `min_lr`) are the trainer's
+    --decoupled-lr / --decoupled-min-lr (the token embedding and lm_head's own peak and final lr);
+    `lr_scale` multiplies the lr of parameters whose name contains a key (the ablation's "which component
+    is sensitive"); the first `kl_steps` steps also record how far the update moved the policy:
+    KL(before ‖ after) per response token of that step's batch."""
     from transformers import AutoModelForCausalLM
 
     from miles_aio.models.tiny import load_tokenizer
@@ -103,19 +107,23 @@ def run(
     tok = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     train, held_out = make_splits()
-    groups: dict[float, list[torch.nn.Parameter]] = {}
+    ends = {id(m.weight) for m in (model.get_input_embeddings(), model.get_output_embeddings())}
+    groups: dict[tuple[float, float], list[torch.nn.Parameter]] = {}
     for name, param in model.named_parameters():
         scale = next((v for k, v in (lr_scale or {}).items() if k in name), 1.0)
-        groups.setdefault(scale, []).append(param)
+        top, low = lr * scale, min_lr * scale
+        if decoupled_lr is not None and id(param) in ends:
+            top, low = decoupled_lr, min_lr if decoupled_min_lr is None else decoupled_min_lr
+        groups.setdefault((top, low), []).append(param)
     opt = torch.optim.AdamW(
-        [{"params": ps, "lr": lr * k, "scale": k} for k, ps in groups.items()],
+        [{"params": ps, "lr": top, "top": top, "low": low} for (top, low), ps in groups.items()],
         lr=lr,
         betas=betas,
         weight_decay=0.0,
     )
     kl: list[float] = []
     curve = [{"step": 0, "seconds": 0.0, "accuracy": held_out_accuracy(model, tok, held_out, max_new)}]
-    rl_seconds, completions = 0.0, 0
+    rl_seconds, completions, rewards_since = 0.0, 0, []
     for step in range(1, steps + 1):
         t0 = time.monotonic()
         problems = rng.sample(train, prompts_per_step)
@@ -126,6 +134,7 @@ def run(
         rewards = torch.tensor(
             [float(a == problems[i // n].answer) for i, a in enumerate(_answers(tok, rows))]
         ).view(prompts_per_step, n)
+        rewards_since.append(float(rewards.mean()))
         adv = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6)).view(-1)
         mask = torch.zeros(gen.shape, dtype=torch.float32)
         for i, r in enumerate(rows):
@@ -135,9 +144,10 @@ def run(
         dist = torch.log_softmax(logits.float(), -1)
         logp = dist.gather(-1, gen.unsqueeze(-1)).squeeze(-1)
         loss = -(adv[:, None] * logp * mask).sum() / mask.sum()
-        factor = lr_factor(step - 1, warmup=warmup, decay_steps=decay_steps, min_ratio=min_lr / lr)
         for group in opt.param_groups:
-            group["lr"] = lr * factor * group["scale"]
+            group["lr"] = lr_at(
+                step - 1, top=group["top"], low=group["low"], warmup=warmup, decay_steps=decay_steps
+            )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
@@ -151,7 +161,9 @@ def run(
         completions += prompts_per_step * n
         if step % eval_interval == 0 or step == steps:
             acc = held_out_accuracy(model, tok, held_out, max_new)  # not counted as RL time
-            curve.append({"step": step, "seconds": rl_seconds, "accuracy": acc})
+            train_reward = sum(rewards_since) / len(rewards_since)
+            curve.append({"step": step, "seconds": rl_seconds, "accuracy": acc, "train_reward": train_reward})
+            rewards_since = []
     return {
         "curve": curve,
         "completions_per_s": completions / rl_seconds,
@@ -207,6 +219,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=0)
     p.add_argument("--decay-steps", type=int, default=None)
     p.add_argument("--min-lr", type=float, default=0.0)
+    p.add_argument("--decoupled-lr", type=float, default=None)
+    p.add_argument("--decoupled-min-lr", type=float, default=None)
     p.add_argument(
         "--ablation",
         action="store_true",
@@ -231,6 +245,8 @@ def main() -> None:
         warmup=a.warmup,
         decay_steps=a.decay_steps,
         min_lr=a.min_lr,
+        decoupled_lr=a.decoupled_lr,
+        decoupled_min_lr=a.decoupled_min_lr,
     )
     print(json.dumps(out))
 

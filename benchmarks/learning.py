@@ -42,7 +42,7 @@ from typing import Any
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 DEFAULT_ARMS = "async,on_policy,lr=1e-4,lr=3e-4,bare"
-MARK_STEPS = (50, 100, 200, 300, 500)
+MARK_STEPS = (50, 100, 200, 300, 500, 600, 700)
 
 
 @dataclass
@@ -143,6 +143,8 @@ def run_bare(recipe: str, seed: int, out: Path, model_from: Path) -> Result:
         warmup=int(defaults.get("lr_warmup_iters", 0)),
         decay_steps=None if decay == "constant" else int(defaults.get("lr_decay_iters") or steps),
         min_lr=float(defaults.get("min_lr", 0.0)),
+        decoupled_lr=defaults.get("decoupled_lr"),
+        decoupled_min_lr=defaults.get("decoupled_min_lr"),
     )
     (out / f"bare-seed{seed}.json").write_text(json.dumps(res))
     curve = [(int(p["step"]), float(p["seconds"]), float(p["accuracy"])) for p in res["curve"]]

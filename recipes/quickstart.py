@@ -33,7 +33,7 @@ DEFAULTS: dict[str, Any] = {
     # rollout: 32 prompts × 8 samples per step; answers are at most 3 digits + EOS
     "rollout_batch_size": 32,
     "n_samples_per_prompt": 8,
-    "num_rollout": 300,
+    "num_rollout": 700,
     "rollout_max_response_len": 4,
     "rollout_temperature": 1.0,
     "custom_rm_path": "miles_aio.tasks.arithmetic:answer_reward",
@@ -42,14 +42,23 @@ DEFAULTS: dict[str, Any] = {
     "max_weight_staleness": 4,
     "async_data_buffer_capacity_factor": 2.0,
     # eval: greedy, held-out, on the shared engine
-    "eval_interval": 10,
+    "eval_interval": 25,
     "eval_temperature": 0.0,
     "eval_max_response_len": 4,
     "save_interval": 100,  # into <run-dir>/checkpoints unless --save is given; the last step too
     # trainer: one rank, GRPO with truncated importance sampling, one optimizer step per rollout (the
     # derived --global-batch-size: every sample of the rollout, whatever the batch flags say)
-    # with --model-init torch (the default) 1e-4 and 3e-4 both learn; 1e-4 is steadier (docs/learning.md)
-    "lr": 1e-4,
+    # lr: with --model-init torch (the default) 1e-4 to 3e-4 all learn (docs/learning.md). What limits
+    # the pace is how fast the policy can sharpen: its logits scale with lm_head, which AdamW moves by
+    # ~lr per weight per step, so the embedding and lm_head get Megatron's --decoupled-lr, 25x the rest
+    # (as µP-style recipes give the input and output layers their own lr); 20 warmup steps, cosine decay
+    "lr": 2e-4,
+    "min_lr": 2e-5,
+    "decoupled_lr": 5e-3,
+    "decoupled_min_lr": 5e-4,
+    "lr_warmup_iters": 20,
+    "lr_decay_style": "cosine",
+    "lr_decay_iters": 700,  # fixed, not --num-rollout's: a smoke run (--num-rollout 5) just ends in warmup
     "use_tis": True,
     "micro_batch_size": 256,
     "update_weight_transfer_mode": "disk",

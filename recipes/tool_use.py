@@ -123,6 +123,16 @@ RECIPE = Recipe(
     description=(__doc__ or "").split("\n\n")[0],
     defaults={
         **quickstart.DEFAULTS,
+        # what its figures in docs/learning.md were measured with (it learns in 300 steps at a constant lr)
+        "num_rollout": 300,
+        "eval_interval": 10,
+        "lr": 1e-4,
+        "min_lr": 0.0,
+        "decoupled_lr": None,
+        "decoupled_min_lr": None,
+        "lr_warmup_iters": 0,
+        "lr_decay_style": "constant",
+        "lr_decay_iters": None,
         "rollout_max_response_len": 4,
         "custom_generate_function_path": "recipes.tool_use:generate",
         "custom_rm_path": "recipes.tool_use:reward",

@@ -65,8 +65,21 @@ def test_the_bare_loop_reports_its_curve_throughput_and_per_step_kl(tmp_path: Pa
     assert out["completions_per_s"] > 0 and out["rl_seconds"] > 0
     after = _weights(model)  # the baseline never writes the model it starts from
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
-    assert bare_grpo.lr_factor(5, warmup=10, decay_steps=None, min_ratio=0.0) == 0.5
-    assert bare_grpo.lr_factor(100, warmup=0, decay_steps=100, min_ratio=0.1) == pytest.approx(0.1)
+
+
+def test_the_bare_loops_schedule_is_the_trainers_decoupled_lr_included() -> None:
+    """The baseline trains on the trainer's lr schedule: the main and the --decoupled-lr group alike."""
+    from miles_aio.trainer.config import TrainConfig
+
+    cfg = TrainConfig(
+        lr=2e-4, min_lr=2e-5, decoupled_lr=2e-3, decoupled_min_lr=2e-4, lr_warmup_iters=20,
+        lr_decay_style="cosine", lr_decay_iters=700,
+    )  # fmt: skip
+    for step in (0, 5, 20, 21, 300, 699, 700, 900):
+        for decoupled, (top, low) in ((False, (2e-4, 2e-5)), (True, (2e-3, 2e-4))):
+            bare = bare_grpo.lr_at(step, top=top, low=low, warmup=20, decay_steps=700)
+            assert bare == pytest.approx(cfg.lr_at(step, decoupled=decoupled), rel=1e-12), (step, decoupled)
+    assert cfg.lr_at(10, decoupled=True) == pytest.approx(1e-3) and cfg.lr_at(10) == pytest.approx(1e-4)
 
 
 def _weights(model_dir: Path) -> dict[str, torch.Tensor]:

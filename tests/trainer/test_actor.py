@@ -192,3 +192,37 @@ def test_one_optimizer_step_per_rollout_skips_the_pi_old_forward(model_dir: Path
     assert one["perf/trainer_pre_forward_s"] == 0.0 < two["perf/trainer_pre_forward_s"]
     assert one["train/ratio"] == pytest.approx(1.0, abs=1e-12) and one["train/pg_clipfrac"] == 0.0
     assert two["train/ppo_kl"] != 0.0  # the second step ran against π_old, not against itself
+
+
+@pytest.mark.timeout(90)
+def test_decoupled_lr_drives_the_embedding_and_output_layer_and_survives_resume(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """--decoupled-lr 0 with --lr 1e-3: AdamW moves every weight but the token embedding and lm_head,
+    which stay bit-identical, before and after a save → load (the optimizer's second param group and its
+    schedule are restored with it); train/decoupled_lr reports that group's lr."""
+    from safetensors.torch import load_file
+
+    initial = load_file(str(model_dir / "model.safetensors"))
+    cfg = _cfg(model_dir, decoupled_lr=0.0)
+    ends = {"model.embed_tokens.weight", "lm_head.weight"}
+    ckpt = tmp_path / "ckpt" / "step_0"
+
+    async def go() -> tuple[dict[str, torch.Tensor], list[dict[str, float]]]:
+        async with TrainerActor.open(cfg, run_dir=tmp_path / "a") as actor:
+            first = await actor.train(0, make_batch(0))
+            await actor.save(0, ckpt)
+        async with TrainerActor.open(cfg, run_dir=tmp_path / "b") as actor:
+            assert await actor.load(ckpt) == 0
+            second = await actor.train(1, make_batch(1))
+            return await actor.get_weights(), [first, second]
+
+    weights, metrics = run(go())
+    assert ends <= set(weights)
+    for k in weights:
+        if k in ends:
+            assert torch.equal(weights[k], initial[k]), k
+        else:
+            assert (weights[k] - initial[k]).abs().max().item() > 1e-5, k  # lr 1e-3 moved the rest
+    assert [m["train/decoupled_lr"] for m in metrics] == [0.0, 0.0]
+    assert [m["train/lr"] for m in metrics] == pytest.approx([1e-3, 1e-3])

@@ -5,6 +5,7 @@ whitening (--normalize-advantages), a monitoring-only KL (--kl-loss-coef 0) and 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import structlog
@@ -193,6 +194,11 @@ def test_kl_loss_coef_zero_logs_the_kl_without_changing_the_loss() -> None:
         ({"lr_decay_iters": 0}, ["--lr-decay-iters"]),
         ({"lr_decay_iters": 5, "lr_warmup_iters": 5}, ["--lr-decay-iters", "--lr-warmup-iters"]),
         ({"min_lr": 1e-3, "lr": 1e-4}, ["--min-lr", "--lr"]),
+        ({"decoupled_lr": -1e-3}, ["--decoupled-lr"]),
+        ({"decoupled_lr": float("nan")}, ["--decoupled-lr"]),
+        ({"decoupled_min_lr": 1e-5}, ["--decoupled-min-lr", "--decoupled-lr"]),
+        ({"decoupled_lr": 1e-3, "decoupled_min_lr": 1e-2}, ["--decoupled-lr", "--decoupled-min-lr"]),
+        ({"decoupled_lr": 1e-5, "lr": 1e-3, "min_lr": 1e-4}, ["--decoupled-lr", "--min-lr"]),
     ],
 )
 def test_new_flags_validate_and_name_themselves(kwargs: dict[str, object], flags: list[str]) -> None:
@@ -209,6 +215,16 @@ def test_new_flags_accept_miles_recipes() -> None:
     assert TrainConfig.from_json(cfg.to_json()) == cfg
     TrainConfig(advantage_estimator="gspo", eps_clip=3e-4, eps_clip_high=4e-4, use_tis=True, eps_clip_c=3.0)
     TrainConfig(advantage_estimator="gspo", use_decoupled_loss=True, use_opsm=True)
+    decoupled = TrainConfig(
+        lr=1e-4, min_lr=1e-5, decoupled_lr=1e-3, lr_decay_style="cosine", lr_decay_iters=10
+    )
+    assert TrainConfig.from_json(decoupled.to_json()) == decoupled
+    # Megatron's default: the decoupled decay ends at --min-lr; without --decoupled-lr one lr for all
+    assert decoupled.lr_at(10, decoupled=True) == pytest.approx(1e-5)
+    assert decoupled.lr_at(0, decoupled=True) == pytest.approx(1e-3) and decoupled.lr_at(0) == pytest.approx(
+        1e-4
+    )
+    assert TrainConfig(lr=1e-4).lr_at(3, decoupled=True) == pytest.approx(1e-4)
 
 
 def test_many_steps_per_rollout_warns() -> None:
@@ -261,3 +277,27 @@ def test_decay_iters_default_to_the_whole_run_as_megatron() -> None:
     with pytest.raises(ConfigError) as info:
         make_config(num_rollout=3, lr_decay_style="cosine", lr_warmup_iters=3)
     assert "--lr-warmup-iters" in str(info.value) and "--num-rollout" in str(info.value)
+
+
+def test_decoupled_lr_groups_a_tied_embedding_once(tmp_path: Path) -> None:
+    """The HF backend's groups: with --decoupled-lr the embedding and lm_head form group 1 — a tied model's
+    one shared tensor once — and every other weight group 0; without it one group holds everything."""
+    from transformers import AutoModelForCausalLM
+
+    from miles_aio.models.tiny import build_tiny_llama
+    from miles_aio.trainer.backend import adamw
+
+    for tied in (False, True):
+        path = build_tiny_llama(
+            tmp_path / str(tied), alphabet="0123456789", hidden_size=32, num_heads=2, num_kv_heads=1,
+            tie_word_embeddings=tied,
+        )  # fmt: skip
+        model = AutoModelForCausalLM.from_pretrained(str(path))
+        params = list(model.parameters())
+        ends = [model.get_input_embeddings().weight, model.get_output_embeddings().weight]
+        groups = adamw(TrainConfig(lr=1e-4, decoupled_lr=1e-3), params, decoupled=ends).param_groups
+        assert [g["decoupled"] for g in groups] == [False, True]
+        assert {id(p) for p in groups[1]["params"]} == {id(p) for p in ends}
+        assert len(groups[1]["params"]) == (1 if tied else 2)
+        assert sum(len(g["params"]) for g in groups) == len(params)
+        assert len(adamw(TrainConfig(lr=1e-4), params, decoupled=ends).param_groups) == 1

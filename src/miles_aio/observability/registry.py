@@ -162,6 +162,7 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
     _m("train/grad_norm", "Global gradient norm before clipping, mean over optimizer steps.", _RANK),
     _m("train/lr", "Learning rate.", _RANK),
+    _m("train/decoupled_lr", "Learning rate of the embedding and output layer (--decoupled-lr only).", _RANK),
     _m("train/optimizer_steps", "Optimizer steps in this rollout.", _RANK),
     _m(
         "train/advantage_abs_mean",

@@ -21,6 +21,27 @@ from miles_aio.trainer.config import TrainConfig
 __all__ = ["HFBackend", "ModelBackend", "Pipeline"]
 
 
+def adamw(
+    cfg: TrainConfig, params: list[torch.nn.Parameter], *, decoupled: list[torch.nn.Parameter]
+) -> torch.optim.AdamW:
+    """The trainer's AdamW over `params`. With --decoupled-lr, the `decoupled` ones (the input embedding
+    and the output layer, as Megatron marks them) form a second param group, tagged `decoupled`, whose lr
+    the step loop sets from `cfg.lr_at(step, decoupled=True)`; group 0 always holds the other weights."""
+    kw: dict[str, Any] = {
+        "lr": cfg.lr,
+        "betas": (cfg.adam_beta1, cfg.adam_beta2),
+        "eps": cfg.adam_eps,
+        "weight_decay": cfg.weight_decay,
+    }
+    if cfg.decoupled_lr is None:
+        return torch.optim.AdamW(params, **kw)
+    ends = {id(p) for p in decoupled}
+    rest = [p for p in params if id(p) not in ends]
+    mine = [p for p in params if id(p) in ends]  # a tied embedding is one tensor: it appears once
+    groups = [{"params": rest, "decoupled": False}, {"params": mine, "decoupled": True}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], **kw)
+
+
 class Pipeline(Protocol):
     """A pipeline-parallel backend's schedule (megatron PP: `megatron_pp.MegatronPipeline`): it runs the
     forwards, backwards and log-probs over all stages in place of `ModelBackend.logits` / `no_sync`."""
@@ -112,10 +133,10 @@ class HFBackend:
             self.model = torch.nn.parallel.DistributedDataParallel(
                 module, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False
             )
-        betas = (cfg.adam_beta1, cfg.adam_beta2)
-        self.optimizer: torch.optim.Optimizer = torch.optim.AdamW(
-            module.parameters(), lr=cfg.lr, betas=betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay
-        )
+        ends = [
+            m.weight for m in (module.get_input_embeddings(), module.get_output_embeddings()) if m is not None
+        ]
+        self.optimizer: torch.optim.Optimizer = adamw(cfg, list(module.parameters()), decoupled=ends)
         self.ref: Any = None
         if cfg.needs_ref_model:  # frozen initial policy, full copy per rank (KL loss or --kl-coef only)
             self.ref = AutoModelForCausalLM.from_pretrained(str(cfg.hf_checkpoint), dtype=dtype)

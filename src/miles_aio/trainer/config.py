@@ -123,6 +123,17 @@ class TrainConfig:
         shown_default="as Megatron, the run's last: num_rollout × optimizer steps per rollout",
     )
     min_lr: float = opt(0.0, "Final learning rate of the linear/cosine decay (must be <= --lr).")
+    decoupled_lr: float | None = opt(
+        None,
+        "Megatron's --decoupled-lr: a separate peak learning rate for the input embedding and the output "
+        "layer (lm_head; one tensor when tied), on the same warmup and decay as --lr.",
+        shown_default="--lr (one learning rate for every parameter)",
+    )
+    decoupled_min_lr: float | None = opt(
+        None,
+        "Megatron's --decoupled-min-lr: the final learning rate of that decay (must be <= --decoupled-lr).",
+        shown_default="--min-lr",
+    )
     weight_decay: float = opt(0.0, "AdamW weight decay.")
     adam_beta1: float = opt(0.9, "AdamW beta1.")
     adam_beta2: float = opt(0.98, "AdamW beta2.")
@@ -332,6 +343,25 @@ class TrainConfig:
     def _check_lr_schedule(self) -> None:
         if self.min_lr > self.lr:
             raise ConfigError(f"--min-lr {self.min_lr} exceeds --lr {self.lr}", flags=["--min-lr", "--lr"])
+        for name in ("decoupled_lr", "decoupled_min_lr"):
+            value = getattr(self, name)
+            _require(
+                value is None or (math.isfinite(value) and value >= 0), name, f"must be >= 0, got {value}"
+            )
+        if self.decoupled_min_lr is not None and self.decoupled_lr is None:
+            raise ConfigError(
+                "--decoupled-min-lr needs --decoupled-lr", flags=["--decoupled-min-lr", "--decoupled-lr"]
+            )
+        if self.decoupled_lr is not None and self._decoupled_min_lr > self.decoupled_lr:
+            raise ConfigError(
+                f"the decoupled decay would end above its peak: --decoupled-lr {self.decoupled_lr} < "
+                f"{'--decoupled-min-lr' if self.decoupled_min_lr is not None else '--min-lr'} "
+                f"{self._decoupled_min_lr}",
+                flags=[
+                    "--decoupled-lr",
+                    "--decoupled-min-lr" if self.decoupled_min_lr is not None else "--min-lr",
+                ],
+            )
         if self.lr_decay_iters is not None and self.lr_decay_iters <= self.lr_warmup_iters:
             raise ConfigError(
                 f"decay must end after warmup: --lr-decay-iters {self.lr_decay_iters} <= "
@@ -339,12 +369,20 @@ class TrainConfig:
                 flags=["--lr-decay-iters", "--lr-warmup-iters"],
             )
 
-    def lr_at(self, step: int) -> float:
+    @property
+    def _decoupled_min_lr(self) -> float:
+        return self.min_lr if self.decoupled_min_lr is None else self.decoupled_min_lr
+
+    def lr_at(self, step: int, *, decoupled: bool = False) -> float:
         """The learning rate of optimizer step `step` (0-based, counted from the start of the run), as
         Megatron's OptimizerParamScheduler computes it with --lr-warmup-init 0:
         warmup (step ≤ W): lr·step/W; then constant: lr; linear / cosine with decay end D: past D min_lr,
-        else min_lr + (lr − min_lr)·c with ρ = (step − W)/(D − W), c = 1 − ρ (linear) or ½(1 + cos πρ)."""
+        else min_lr + (lr − min_lr)·c with ρ = (step − W)/(D − W), c = 1 − ρ (linear) or ½(1 + cos πρ).
+        `decoupled`: the same for the embedding and output layer's group, with --decoupled-lr and
+        --decoupled-min-lr as lr and min_lr (as Megatron's param groups carry their own max/min lr)."""
         w, top, low = self.lr_warmup_iters, self.lr, self.min_lr
+        if decoupled and self.decoupled_lr is not None:
+            top, low = self.decoupled_lr, self._decoupled_min_lr
         if w > 0 and step <= w:
             return top * step / w
         d = self.lr_decay_iters

@@ -41,6 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from miles_aio.trainer import losses, protocol
+from miles_aio.trainer.backend import adamw
 from miles_aio.trainer.config import TrainConfig
 from miles_aio.trainer.megatron_pp import MegatronPipeline
 
@@ -153,13 +154,15 @@ class MegatronBackend:
             self.ref = build()
             _load_into(self.ref, self._to_megatron(initial))
             self.ref.requires_grad_(False)
-        self.optimizer: torch.optim.Optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=cfg.lr,
-            betas=(cfg.adam_beta1, cfg.adam_beta2),
-            eps=cfg.adam_eps,
-            weight_decay=cfg.weight_decay,
-        )
+        # Megatron's --decoupled-lr covers the parameters it marks `is_embedding_or_output_parameter`:
+        # the word embeddings and the output layer (whichever of them this pipeline stage holds)
+        ends = [
+            p
+            for name, p in self.model.named_parameters()
+            if getattr(p, "is_embedding_or_output_parameter", False)
+            or name.endswith(("embedding.word_embeddings.weight", "output_layer.weight"))
+        ]
+        self.optimizer: torch.optim.Optimizer = adamw(cfg, list(self.model.parameters()), decoupled=ends)
         self.pipeline: MegatronPipeline | None = (
             MegatronPipeline(self, group=ps.get_pipeline_model_parallel_group()) if pp > 1 else None
         )

@@ -234,7 +234,7 @@ class RankWorker:
                         torch.autograd.backward(loss_of(j, i, be.logits(mb)))
             grad_norms.append(be.clip_grad(cfg.clip_grad))
             for group in be.optimizer.param_groups:  # the schedule is a function of the run's step count
-                group["lr"] = cfg.lr_at(self.optimizer_steps)
+                group["lr"] = cfg.lr_at(self.optimizer_steps, decoupled=group.get("decoupled", False))
             be.optimizer.step()
             self.optimizer_steps += 1
         metrics = self._reduce(sums, maxes)
@@ -251,6 +251,9 @@ class RankWorker:
             "perf/trainer_step_s": wall,
             "perf/trainer_pre_forward_s": pre_forward_s,
         }
+        for group in be.optimizer.param_groups:
+            if group.get("decoupled"):
+                metrics["train/decoupled_lr"] = float(group["lr"])
         return TrainReply(metrics=metrics)
 
     def _advantages_need_old(self, ref: list[list[torch.Tensor]] | None) -> bool:
