@@ -1,6 +1,7 @@
 """The baseline of `benchmarks.learning`: GRPO in one process, one loop, no runtime. Not the product.
 
     python -m benchmarks.bare_grpo MODEL_DIR [--steps 300] [--lr 1e-4] [--decoupled-lr 1e-3] [--seed 0]
+    python -m benchmarks.bare_grpo WORKDIR --schedules     # the lr-schedule sweep of docs/learning.md
 
 What a user comparing miles_aio with "a GRPO script" would write: sample B prompts × n completions at
 temperature 1 with a KV cache, score them (exact match), group-normalised advantages, a token-mean
@@ -209,6 +210,55 @@ def ablation(
     return rows
 
 
+def _cosine(lr: float, decoupled: float | None = None, decoupled_min: float | None = None) -> dict[str, Any]:
+    """20 warmup steps, then cosine to lr / 10 at step 700; the decoupled group from `decoupled` to
+    `decoupled_min`."""
+    return {
+        "lr": lr, "min_lr": lr / 10, "warmup": 20, "decay_steps": 700,
+        "decoupled_lr": decoupled, "decoupled_min_lr": decoupled_min,
+    }  # fmt: skip
+
+
+SCHEDULES: list[tuple[str, int, dict[str, Any], dict[str, Any]]] = [
+    # (label, seed, warm-start overrides, run() overrides): 700 steps each, from the quickstart's warm start
+    ("lr 1e-4 constant (session 7's quickstart)", 0, {}, {"lr": 1e-4}),
+    ("lr 3e-4, cosine to 3e-5", 0, {}, _cosine(3e-4)),
+    ("lr 1e-4, tied embeddings", 0, {"tie_word_embeddings": True}, {"lr": 1e-4}),
+    ("lr 1e-4, lm_head and final norm × 10", 0, {}, {"lr": 1e-4, "lr_scale": {"lm_head": 10,
+                                                                              "model.norm": 10}}),
+    ("lr 1e-4, decoupled 1e-3", 0, {}, {"lr": 1e-4, "decoupled_lr": 1e-3}),
+    ("lr 2e-4 → 2e-5, decoupled 2e-3 → 2e-4", 0, {}, _cosine(2e-4, 2e-3, 2e-4)),
+    ("lr 3e-4 → 3e-5, decoupled 3e-3 → 3e-4", 0, {}, _cosine(3e-4, 3e-3, 3e-4)),
+    ("lr 2e-4 → 2e-5, decoupled 5e-3 → 5e-4 (the quickstart's, over 700 steps)", 0, {},
+     _cosine(2e-4, 5e-3, 5e-4)),
+    ("lr 2e-4 → 2e-5, decoupled 1e-2 → 5e-4", 0, {}, _cosine(2e-4, 1e-2, 5e-4)),
+    ("lr 3e-4 → 3e-5, decoupled 5e-3 → 2.5e-4", 0, {}, _cosine(3e-4, 5e-3, 2.5e-4)),
+    ("seed 1: lr 2e-4 → 2e-5, decoupled 5e-3 → 1.25e-4", 1, {}, _cosine(2e-4, 5e-3, 1.25e-4)),
+    ("seed 1: lr 1e-4 → 1e-5, decoupled 5e-3 → 5e-4", 1, {}, _cosine(1e-4, 5e-3, 5e-4)),
+    ("seed 1: lr 2e-4 → 2e-5, decoupled 2e-3 → 2e-4", 1, {}, _cosine(2e-4, 2e-3, 2e-4)),
+]  # fmt: skip
+
+
+def schedules(work: Path, *, only: str = "", threads: int = 1) -> list[dict[str, Any]]:
+    """The schedule sweep: each row (those whose label contains `only`) trains the quickstart's warm start
+    (torch.nn's init, stopped at 40% on the training probe, checked every 10 steps; cached per seed and
+    overrides) for 700 steps, on `threads` threads (two rows can run side by side on 2 cores)."""
+    from miles_aio.tasks.arithmetic import warm_start
+
+    rows = []
+    train, _ = make_splits()
+    for label, seed, init, overrides in (row for row in SCHEDULES if only in row[0]):
+        tag = "-".join(f"{k}={v}" for k, v in sorted(init.items())) or "default"
+        model_dir = work / f"model-seed{seed}-{tag}"
+        if not (model_dir / "model.safetensors").is_file():
+            kwargs = {"init": "torch", **init}
+            warm_start(model_dir, train, target_accuracy=0.4, seed=seed, check_every=10, model_kwargs=kwargs)
+        res = run(model_dir, steps=700, seed=seed, eval_interval=50, threads=threads, **overrides)
+        rows.append({"schedule": label, "curve": res["curve"]})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model_dir", type=Path)
@@ -226,8 +276,24 @@ def main() -> None:
         action="store_true",
         help="MODEL_DIR is a work dir: run the init/lr-sensitivity ablation there (100 steps at lr 3e-4)",
     )
-    p.add_argument("--only", default="", help="with --ablation: only the rows whose label contains this")
+    p.add_argument(
+        "--schedules",
+        action="store_true",
+        help="MODEL_DIR is a work dir: run the lr-schedule sweep there (700 steps per row, 1 thread)",
+    )
+    p.add_argument(
+        "--only", default="", help="with --ablation/--schedules: only the rows whose label contains this"
+    )
     a = p.parse_args()
+    if a.schedules:
+        sweep = schedules(a.model_dir, only=a.only)
+        print("| schedule | held-out: step 0, 100, 300, 500, 600, 700 | train reward, steps 651–700 |")
+        print("|---|---|---|")
+        for r in sweep:
+            at = {p["step"]: p for p in r["curve"]}
+            accs = ", ".join(f"{at[k]['accuracy']:.1%}" for k in (0, 100, 300, 500, 600, 700))
+            print(f"| {r['schedule']} | {accs} | {at[700]['train_reward']:.2f} |")
+        return
     if a.ablation:
         table = ablation(a.model_dir, only=a.only)
         print("| variant | KL/token, steps 1, 2, 3 | held-out, start → step 100 |\n|---|---|---|")

@@ -3,6 +3,7 @@
     python -m benchmarks.learning                                  # quickstart: 3 seeds × 4 arms + baseline
     python -m benchmarks.learning --seeds 0 --arms async,bare      # one seed, quicker
     python -m benchmarks.learning --recipe tool_use --arms async
+    python -m benchmarks.learning --output OUT --merge RUN_A RUN_B    # one table and figure from two runs
 
 Arms (each a real `python -m recipes.<recipe>` run with its defaults, plus):
   async       nothing: the recipe as a user runs it (fully async, bounded staleness, TIS)
@@ -121,10 +122,10 @@ def run_recipe(recipe: str, arm: str, seed: int, out: Path, extra: list[str]) ->
 
 def run_bare(recipe: str, seed: int, out: Path, model_from: Path) -> Result:
     """The bare loop on the warm-started model of this seed's first recipe run, with the recipe's
-    steps, lr and schedule (read from its DEFAULTS)."""
+    steps, lr and schedule (read from its RECIPE's defaults)."""
     from benchmarks import bare_grpo
 
-    defaults: dict[str, Any] = importlib.import_module(f"recipes.{recipe}").DEFAULTS
+    defaults: dict[str, Any] = dict(importlib.import_module(f"recipes.{recipe}").RECIPE.defaults)
     model_dir = model_from / "model"
     if not (model_dir / "model.safetensors").is_file():
         return Result("bare", seed, error=f"no warm-started model in {model_from} (run an arm first)")
@@ -227,7 +228,7 @@ def _report(r: Result) -> None:
     print(f"[learning]   final {r.final:.3f}, {r.rl_seconds:.0f} s RL, {r.error or 'ok'}", file=sys.stderr)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--recipe", default="quickstart", help="recipes.<name> (default: quickstart)")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated (default: 0,1,2)")
@@ -235,8 +236,21 @@ def main() -> None:
     p.add_argument(
         "--output", type=Path, default=Path("bench-results/learning"), help="(default: %(default)s)"
     )
+    p.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        metavar="DIR",
+        help="run nothing: redraw OUTPUT's table and figure from these earlier outputs' learning.json",
+    )
     p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: flags for every recipe run")
-    a = p.parse_args()
+    a = p.parse_args(argv)
+    if a.merge:
+        merged = [Result(**r) for d in a.merge for r in json.loads((d / "learning.json").read_text())]
+        for r in merged:
+            r.curve = [tuple(pt) for pt in r.curve]  # type: ignore[misc]
+        write_outputs(merged, a.recipe, a.output, ",".join(sorted({str(r.seed) for r in merged})))
+        return
     seeds = [int(s) for s in a.seeds.split(",") if s]
     arms = [x for x in a.arms.split(",") if x]
     for arm in arms:
@@ -262,11 +276,19 @@ def main() -> None:
             r = run_bare(a.recipe, seed, out, first_run or out / f"async-seed{seed}")
             results.append(r)
             _report(r)
+    write_outputs(results, a.recipe, out, a.seeds)
+
+
+def write_outputs(results: list[Result], recipe: str, out: Path, seeds_label: str) -> None:
+    """OUTPUT/learning.md (the table), learning.json (every result) and learning.png; prints the table."""
+    out.mkdir(parents=True, exist_ok=True)
+    arms = list(dict.fromkeys(r.arm for r in results))
+    seeds = sorted({r.seed for r in results})
     table = summarize(results, arms, seeds)
-    header = f"## benchmarks.learning: {a.recipe}, seeds {a.seeds}, {os.cpu_count()} cores\n\n"
+    header = f"## benchmarks.learning: {recipe}, seeds {seeds_label}, {os.cpu_count()} cores\n\n"
     (out / "learning.md").write_text(header + table + "\n")
     (out / "learning.json").write_text(json.dumps([r.__dict__ for r in results], indent=1))
-    figure(results, out / "learning.png", f"{a.recipe}: held-out accuracy, seeds {a.seeds}")
+    figure(results, out / "learning.png", f"{recipe}: held-out accuracy, seeds {seeds_label}")
     print(header + table)
 
 

@@ -1,6 +1,6 @@
 """Fully async GRPO on a CPU in minutes: a tiny Llama learns two-digit addition.
 
-    python -m recipes.quickstart                      # about 3 minutes on 2 cores
+    python -m recipes.quickstart                      # about 6 minutes on 2 cores (1000 steps)
     python -m recipes.quickstart --num-rollout 5      # a smoke run
 
 What runs (all real processes, no GPU, no network):
@@ -33,7 +33,7 @@ DEFAULTS: dict[str, Any] = {
     # rollout: 32 prompts × 8 samples per step; answers are at most 3 digits + EOS
     "rollout_batch_size": 32,
     "n_samples_per_prompt": 8,
-    "num_rollout": 700,
+    "num_rollout": 1000,
     "rollout_max_response_len": 4,
     "rollout_temperature": 1.0,
     "custom_rm_path": "miles_aio.tasks.arithmetic:answer_reward",
@@ -58,7 +58,7 @@ DEFAULTS: dict[str, Any] = {
     "decoupled_min_lr": 5e-4,
     "lr_warmup_iters": 20,
     "lr_decay_style": "cosine",
-    "lr_decay_iters": 700,  # fixed, not --num-rollout's: a smoke run (--num-rollout 5) just ends in warmup
+    "lr_decay_iters": 1000,  # fixed, not --num-rollout's: a smoke run (--num-rollout 5) just ends in warmup
     "use_tis": True,
     "micro_batch_size": 256,
     "update_weight_transfer_mode": "disk",

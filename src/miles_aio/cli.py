@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import sys
 import types
 import typing
@@ -178,6 +179,8 @@ def _add_field(
         elif get_origin(base) is tuple:
             kwargs["nargs"] = "*"
             kwargs["type"] = get_args(base)[0]
+        elif base in (int, float) and optional:  # `--help` shows None as "off"; the flag takes it back
+            kwargs["type"] = _converter(functools.partial(_optional_number, base))
         elif base in (int, float, str, Path):
             kwargs["type"] = base
         else:
@@ -185,6 +188,17 @@ def _add_field(
         action = group.add_argument(name, **kwargs)
     if shown is not None:
         action.shown_default = shown  # type: ignore[attr-defined]
+
+
+def _optional_number(kind: type[int] | type[float], text: str) -> int | float | None:
+    """An optional number flag's text: `off` (or `none`) for None, else the number."""
+    if text.strip().lower() in ("off", "none"):
+        return None
+    try:
+        return kind(text)
+    except ValueError:
+        what = "an integer" if kind is int else "a number"
+        raise ValueError(f"must be {what} or 'off', got {text!r}") from None
 
 
 def _show(value: Any) -> str:

@@ -54,6 +54,28 @@ def test_the_summary_states_the_throughput_ratio_per_seed_and_the_failures() -> 
         arm_flags("sync")
 
 
+def test_two_outputs_merge_into_one_table_and_figure(tmp_path: Path) -> None:
+    """`--merge A B` redraws one table and figure from two earlier runs' learning.json, nothing rerun."""
+    from benchmarks.learning import main, write_outputs
+
+    curve = [(0, 0.0, 0.4), (100, 20.0, 0.8)]
+    write_outputs(
+        [Result("async", 0, curve, 800.0, 20.0), Result("bare", 0, curve, 1000.0, 16.0)],
+        "qs",
+        tmp_path / "a",
+        "0",
+    )
+    write_outputs([Result("on_policy", 0, curve, 700.0, 23.0)], "qs", tmp_path / "b", "0")
+    out = tmp_path / "merged"
+    main(["--output", str(out), "--merge", str(tmp_path / "a"), str(tmp_path / "b")])
+    text = (out / "learning.md").read_text()
+    assert [line.split(" | ")[0] for line in text.splitlines() if line.startswith("| ") and "%" in line] == [
+        "| async", "| bare", "| on_policy",
+    ]  # fmt: skip
+    assert "bare loop's, same seed: 0.80×" in text and (out / "learning.png").stat().st_size > 0
+    assert len(json.loads((out / "learning.json").read_text())) == 3
+
+
 def test_the_bare_loop_reports_its_curve_throughput_and_per_step_kl(tmp_path: Path) -> None:
     model = build_tiny_llama(tmp_path / "m", alphabet=ALPHABET, hidden_size=32, num_heads=2, num_kv_heads=1)
     before = {k: v.clone() for k, v in _weights(model).items()}

@@ -84,6 +84,26 @@ def test_the_lr_decay_end_is_resolved_once_into_the_run_config() -> None:
     assert unresolved.train.lr_decay_iters is None and resolve(unresolved).train.lr_decay_iters == 3
 
 
+def test_an_optional_number_flag_takes_off_back_as_it_shows_it(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--help` shows an unset optional number as "off"; the flag takes "off" to unset a recipe's value
+    (the quickstart sets --decoupled-lr), and a wrong word exits 2 naming the flag and what it takes."""
+    defaults = {"decoupled_lr": 5e-3, "decoupled_min_lr": 5e-4, "lr_decay_iters": 9}
+    cfg = parse_run_config(BASE, defaults=defaults)
+    assert (cfg.train.decoupled_lr, cfg.train.decoupled_min_lr, cfg.train.lr_decay_iters) == (5e-3, 5e-4, 9)
+    off = ["--decoupled-lr", "off", "--decoupled-min-lr", "none", "--lr-decay-iters", "OFF"]
+    cfg = parse_run_config([*BASE, *off], defaults=defaults)
+    assert (cfg.train.decoupled_lr, cfg.train.decoupled_min_lr, cfg.train.lr_decay_iters) == (
+        None,
+        None,
+        None,
+    )
+    assert parse_run_config([*BASE, "--decoupled-lr", "1e-3"]).train.decoupled_lr == 1e-3
+    with pytest.raises(SystemExit) as info:
+        parse_run_config([*BASE, "--decoupled-lr", "high"])
+    assert info.value.code == 2
+    assert "--decoupled-lr: must be a number or 'off', got 'high'" in capsys.readouterr().err
+
+
 def test_the_concurrency_bound_is_an_int_or_auto_never_a_rewritten_string() -> None:
     assert (
         parse_run_config(

@@ -226,3 +226,21 @@ def test_decoupled_lr_drives_the_embedding_and_output_layer_and_survives_resume(
             assert (weights[k] - initial[k]).abs().max().item() > 1e-5, k  # lr 1e-3 moved the rest
     assert [m["train/decoupled_lr"] for m in metrics] == [0.0, 0.0]
     assert [m["train/lr"] for m in metrics] == pytest.approx([1e-3, 1e-3])
+
+
+@pytest.mark.timeout(90)
+def test_resuming_with_another_decoupled_lr_setting_fails_naming_it(model_dir: Path, tmp_path: Path) -> None:
+    """A checkpoint saved without --decoupled-lr (one param group) does not load into a run with it (two
+    groups): the load fails at once, saying which setting the checkpoint has, instead of torch mapping
+    the saved group onto the wrong one and failing (or training wrongly) later."""
+    ckpt = tmp_path / "ckpt" / "step_0"
+
+    async def go() -> None:
+        async with TrainerActor.open(_cfg(model_dir), run_dir=tmp_path / "a") as actor:
+            await actor.train(0, make_batch(0))
+            await actor.save(0, ckpt)
+        async with TrainerActor.open(_cfg(model_dir, decoupled_lr=1e-2), run_dir=tmp_path / "b") as actor:
+            await actor.load(ckpt)
+
+    with pytest.raises(TrainerRankError, match="saved without --decoupled-lr and this run is with"):
+        run(go())

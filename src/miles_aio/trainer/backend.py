@@ -42,6 +42,22 @@ def adamw(
     return torch.optim.AdamW([g for g in groups if g["params"]], **kw)
 
 
+def check_param_groups(saved: list[dict[str, Any]], groups: list[dict[str, Any]]) -> None:
+    """A checkpoint's optimizer state restores only into the param groups it was saved with (torch would
+    otherwise fail later, or map the groups onto each other): the same --decoupled-lr setting."""
+
+    def layout(gs: list[dict[str, Any]]) -> list[bool]:
+        return [bool(g.get("decoupled", False)) for g in gs]
+
+    if layout(saved) != layout(groups):
+        said = {True: "with --decoupled-lr", False: "without --decoupled-lr"}
+        raise ValueError(
+            f"the checkpoint's optimizer was saved {said[any(layout(saved))]} and this run is "
+            f"{said[any(layout(groups))]}: resume with the setting it was saved with (--decoupled-lr "
+            "gives the embedding and lm_head a param group of their own)"
+        )
+
+
 class Pipeline(Protocol):
     """A pipeline-parallel backend's schedule (megatron PP: `megatron_pp.MegatronPipeline`): it runs the
     forwards, backwards and log-probs over all stages in place of `ModelBackend.logits` / `no_sync`."""

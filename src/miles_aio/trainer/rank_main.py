@@ -51,7 +51,7 @@ from torch._C._distributed_c10d import TCPStore  # torch.distributed re-exports 
 
 from miles_aio._durable import fsync_dir, fsync_path, write_file_atomic
 from miles_aio.trainer import losses, protocol
-from miles_aio.trainer.backend import HFBackend, ModelBackend
+from miles_aio.trainer.backend import HFBackend, ModelBackend, check_param_groups
 from miles_aio.trainer.channel import BlockingChannel, connect
 from miles_aio.trainer.config import TrainConfig
 from miles_aio.trainer.protocol import (
@@ -429,7 +429,9 @@ class RankWorker:
         d = Path(req.directory).absolute()
         meta = json.loads((d / "trainer_state.json").read_text())
         self.backend.load_hf_tensors(protocol.read_hf_dir(d / "model"))
-        self.backend.load_optim_state(protocol.load_optim_state(self._optim_stem(d)))
+        optim = protocol.load_optim_state(self._optim_stem(d))
+        check_param_groups(optim["param_groups"], self.backend.optimizer.param_groups)
+        self.backend.load_optim_state(optim)
         rng_file = d / f"rng_rank{self.rank}.safetensors"
         if rng_file.exists():  # a different world size keeps fresh RNG streams
             rng = load_file(str(rng_file))
