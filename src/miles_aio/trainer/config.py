@@ -353,14 +353,13 @@ class TrainConfig:
                 "--decoupled-min-lr needs --decoupled-lr", flags=["--decoupled-min-lr", "--decoupled-lr"]
             )
         if self.decoupled_lr is not None and self._decoupled_min_lr > self.decoupled_lr:
+            low = (
+                "--min-lr" if self.decoupled_min_lr is None else "--decoupled-min-lr"
+            )  # where the end came from
             raise ConfigError(
                 f"the decoupled decay would end above its peak: --decoupled-lr {self.decoupled_lr} < "
-                f"{'--decoupled-min-lr' if self.decoupled_min_lr is not None else '--min-lr'} "
-                f"{self._decoupled_min_lr}",
-                flags=[
-                    "--decoupled-lr",
-                    "--decoupled-min-lr" if self.decoupled_min_lr is not None else "--min-lr",
-                ],
+                f"{low} {self._decoupled_min_lr}",
+                flags=["--decoupled-lr", low],
             )
         if self.lr_decay_iters is not None and self.lr_decay_iters <= self.lr_warmup_iters:
             raise ConfigError(
