@@ -42,7 +42,7 @@ from typing import Any
 # on cores the other side (or the machine's other load) is using.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-DEFAULT_ARMS = "async,on_policy,lr=1e-4,lr=3e-4,bare"
+DEFAULT_ARMS = "async,on_policy,lr=2e-4,lr=3e-4,bare"
 MARK_STEPS = (50, 100, 200, 300, 500, 600, 700)
 
 

@@ -50,9 +50,10 @@ DEFAULTS: dict[str, Any] = {
     # derived --global-batch-size: every sample of the rollout, whatever the batch flags say)
     # lr: with --model-init torch (the default) 1e-4 to 3e-4 all learn (docs/learning.md). What limits
     # the pace is how fast the policy can sharpen: its logits scale with lm_head, which AdamW moves by
-    # ~lr per weight per step, so the embedding and lm_head get Megatron's --decoupled-lr, 25x the rest
-    # (as µP-style recipes give the input and output layers their own lr); 20 warmup steps, cosine decay
-    "lr": 2e-4,
+    # ~lr per weight per step, so the embedding and lm_head get Megatron's --decoupled-lr, 50x the rest
+    # (as µP-style recipes give the input and output layers their own lr); 20 warmup steps, cosine decay.
+    # 1e-4 for the rest: 3 seeds ahead of 2e-4 at step 300 and at the end (docs/learning.md)
+    "lr": 1e-4,
     "min_lr": 2e-5,
     "decoupled_lr": 5e-3,
     "decoupled_min_lr": 5e-4,
@@ -61,6 +62,11 @@ DEFAULTS: dict[str, Any] = {
     "lr_decay_iters": 1000,  # fixed, not --num-rollout's: a smoke run (--num-rollout 5) just ends in warmup
     "use_tis": True,
     "micro_batch_size": 256,
+    # the 8 samples of a prompt share it: one forward of the prompt per micro-batch, not 8 (same math;
+    # the trainer is the bottleneck on 2 cores)
+    "pack_shared_prompts": True,
+    # one step's 256 samples decode as one batch, not four waves of 64
+    "engine_max_running_requests": 256,
     "update_weight_transfer_mode": "disk",
 }
 

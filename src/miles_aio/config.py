@@ -242,6 +242,11 @@ class EngineConfig:
     rollout_num_gpus: int = opt(1, "GPUs for rollout engines (local backend: engine processes).")
     rollout_num_gpus_per_engine: int = opt(1, "GPUs per engine, i.e. its tensor-parallel size.")
     engine_num_threads: int = opt(1, "torch threads per embedded engine (local backend).")
+    engine_max_running_requests: int = opt(
+        64,
+        "Requests each embedded engine decodes together, one KV slot each (local backend; SGLang's is "
+        "--sglang-max-running-requests).",
+    )
     engine_batch_generate: bool = opt(
         True,
         "Send a prompt group's /generate calls made in the same event-loop tick as one batch /generate "
@@ -277,6 +282,7 @@ class EngineConfig:
         _positive(self.rollout_num_gpus, "rollout_num_gpus")
         _positive(self.rollout_num_gpus_per_engine, "rollout_num_gpus_per_engine")
         _positive(self.engine_num_threads, "engine_num_threads")
+        _positive(self.engine_max_running_requests, "engine_max_running_requests")
         if self.rollout_num_gpus % self.rollout_num_gpus_per_engine:
             raise ConfigError(
                 f"{self.rollout_num_gpus} GPUs do not split into engines of "

@@ -23,15 +23,23 @@ def tiny_model(directory: Path, *, seed: int = 0) -> Path:
 
 
 def make_batch(
-    seed: int, *, groups: int = 2, n: int = 4, prompt_len: int = 4, max_resp: int = 5
+    seed: int,
+    *,
+    groups: int = 2,
+    n: int = 4,
+    prompt_len: int = 4,
+    max_resp: int = 5,
+    shared_prompt: bool = False,
 ) -> list[Group]:
-    """Random prompt/response ids with binary rewards and made-up rollout log-probs."""
+    """Random prompt/response ids with binary rewards and made-up rollout log-probs; with `shared_prompt`
+    the samples of a group share their prompt (as a GRPO group's do), else each has its own."""
     rng = random.Random(seed)
     batch: list[Group] = []
     for g in range(groups):
         group: Group = []
+        shared = [rng.randrange(3, VOCAB) for _ in range(prompt_len)] if shared_prompt else None
         for k in range(n):
-            prompt = [rng.randrange(3, VOCAB) for _ in range(prompt_len)]
+            prompt = shared or [rng.randrange(3, VOCAB) for _ in range(prompt_len)]
             r = rng.randrange(1, max_resp + 1)
             group.append(
                 Sample(

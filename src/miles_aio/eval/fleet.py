@@ -261,6 +261,7 @@ async def open_eval_engines(
                         num_engines=n,
                         weights_root=snapshot_root(cfg),
                         num_threads=e.engine_num_threads,
+                        max_running_requests=e.engine_max_running_requests,
                         log_dir=cfg.run_dir / "logs" / "eval",
                         api_key=e.sglang_api_key,
                     )

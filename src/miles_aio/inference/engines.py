@@ -133,6 +133,7 @@ async def open_engines(
                     model_path,
                     weights_root=cfg.run_dir,
                     num_threads=e.engine_num_threads,
+                    max_running_requests=e.engine_max_running_requests,
                     log_dir=cfg.run_dir / "logs",
                     api_key=e.sglang_api_key,
                 )

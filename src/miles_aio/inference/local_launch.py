@@ -137,6 +137,7 @@ async def local_engines(
     *,
     weights_root: Path | str | None = None,
     num_threads: int = 1,
+    max_running_requests: int | None = None,
     extra_args: Sequence[str] = (),
     ready_timeout_s: float = 120.0,
     log_dir: Path | str | None = None,
@@ -157,6 +158,8 @@ async def local_engines(
     ]
     if weights_root is not None:
         cmd += ["--weights-root", str(weights_root)]
+    if max_running_requests is not None:
+        cmd += ["--max-running-requests", str(max_running_requests)]
     # The key goes by environment, not argv: any local user can read a process's command line.
     env = {API_KEY_ENV: api_key} if api_key else None
     cmd += list(extra_args)
@@ -183,6 +186,7 @@ async def launch_local_engines(
     num_engines: int,
     weights_root: Path | str | None = None,
     num_threads: int = 1,
+    max_running_requests: int | None = None,
     extra_args: Sequence[str] = (),
     ready_timeout_s: float = 120.0,
     log_dir: Path | str | None = None,
@@ -195,6 +199,7 @@ async def launch_local_engines(
         model_path,
         weights_root=weights_root,
         num_threads=num_threads,
+        max_running_requests=max_running_requests,
         extra_args=extra_args,
         ready_timeout_s=ready_timeout_s,
         log_dir=log_dir,

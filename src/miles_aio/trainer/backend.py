@@ -15,7 +15,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from miles_aio.trainer import losses
+from miles_aio.errors import ConfigError
+from miles_aio.trainer import losses, shared_prefix
 from miles_aio.trainer.config import TrainConfig
 
 __all__ = ["HFBackend", "ModelBackend", "Pipeline"]
@@ -158,13 +159,30 @@ class HFBackend:
             self.ref = AutoModelForCausalLM.from_pretrained(str(cfg.hf_checkpoint), dtype=dtype)
             self.ref.to(device).requires_grad_(False).eval()
         self._names = [n for n, _ in module.named_parameters()]
+        self._attn = str(getattr(module.config, "_attn_implementation", None))
+        if cfg.pack_shared_prompts and self._attn not in ("sdpa", "eager"):
+            raise ConfigError(
+                f"prompt packing needs a custom attention mask, which {self._attn} attention does not take "
+                "(load the model with sdpa or eager attention)",
+                flags=["--pack-shared-prompts"],
+            )
+        self.pack = cfg.pack_shared_prompts
 
     def _forward(self, model: torch.nn.Module, mb: losses.MicroBatch) -> torch.Tensor:
+        """Logits [B, T−1, V] aligned to `mb.targets`; packed by shared prompt with --pack-shared-prompts."""
         cuda = self.device.type == "cuda"
+        packing = (
+            shared_prefix.plan(mb.input_ids, mb.attention_mask, mb.prompt_lengths) if self.pack else None
+        )
         with torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext():
-            out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask)
-        logits: torch.Tensor = out.logits
-        return logits[:, :-1]
+            if packing is None:
+                out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask)
+                logits: torch.Tensor = out.logits
+                return logits[:, :-1]
+            # sdpa takes a bool mask (True: attend); eager adds the mask to its scores
+            mask = packing.attention_mask(None if self._attn == "sdpa" else torch.float32)
+            out = model(input_ids=packing.input_ids, attention_mask=mask, position_ids=packing.position_ids)
+        return shared_prefix.unpack(out.logits, packing)
 
     def logits(self, mb: losses.MicroBatch) -> torch.Tensor:
         return self._forward(self.model, mb)

@@ -105,6 +105,13 @@ class TrainConfig:
     max_tokens_per_gpu: int | None = opt(
         None, "Pack micro-batches up to this many tokens per rank instead of --micro-batch-size."
     )
+    pack_shared_prompts: bool = opt(
+        False,
+        "fsdp backend: encode a prompt once per micro-batch, not once per sample of its group (the rows "
+        "sharing it become one sequence, each response masked from the others; same math). Saves the "
+        "prompt's share of the training compute, times n_samples_per_prompt − 1; needs sdpa or eager "
+        "attention, and a sequence as long as the prompt plus all its group's responses.",
+    )
 
     # -- optimizer -------------------------------------------------------------------------------------
     lr: float = opt(1e-6, "AdamW learning rate (the peak of the --lr-decay-style schedule).")
@@ -316,6 +323,11 @@ class TrainConfig:
             )
 
     def _check_parallelism(self) -> None:
+        if self.pack_shared_prompts and self.train_backend != "fsdp":
+            raise ConfigError(
+                "prompt packing is implemented for the HF model of the fsdp backend only",
+                flags=["--pack-shared-prompts", "--train-backend"],
+            )
         if self.train_backend == "fsdp" and (
             self.tensor_model_parallel_size > 1 or self.pipeline_model_parallel_size > 1
         ):
