@@ -26,7 +26,7 @@ from miles_aio.config import RunConfig, opt
 from miles_aio.data.source import PromptRecord
 from miles_aio.errors import ConfigError
 from miles_aio.models.tiny import Init
-from miles_aio.recipe import Recipe, RecipeArgs, RunParts, main, open_run_parts
+from miles_aio.recipe import DefaultsWhen, Recipe, RecipeArgs, RunParts, main, open_run_parts
 from miles_aio.tasks.arithmetic import make_splits
 
 DEFAULTS: dict[str, Any] = {
@@ -62,13 +62,15 @@ DEFAULTS: dict[str, Any] = {
     "lr_decay_iters": 1000,  # fixed, not --num-rollout's: a smoke run (--num-rollout 5) just ends in warmup
     "use_tis": True,
     "micro_batch_size": 256,
-    # the 8 samples of a prompt share it: one forward of the prompt per micro-batch, not 8 (same math;
-    # the trainer is the bottleneck on 2 cores)
-    "pack_shared_prompts": True,
     # one step's 256 samples decode as one batch, not four waves of 64
     "engine_max_running_requests": 256,
     "update_weight_transfer_mode": "disk",
 }
+
+
+PACKING = DefaultsWhen(when={"train_backend": "fsdp"}, defaults={"pack_shared_prompts": True})
+"""The 8 samples of a prompt share it: the fsdp trainer forwards it once per micro-batch, not 8 times (the
+same math; the trainer sets the pace on 2 cores). Megatron's backend has no packing."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -147,6 +149,7 @@ RECIPE = Recipe(
     name="quickstart",
     description=(__doc__ or "").split("\n\n")[0],
     defaults=DEFAULTS,
+    defaults_when=[PACKING],
     build=build,
     options=Options,
     prompts=prompts,

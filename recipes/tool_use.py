@@ -133,6 +133,8 @@ RECIPE = Recipe(
         "lr_warmup_iters": 0,
         "lr_decay_style": "constant",
         "lr_decay_iters": None,
+        # 64 running requests and no --pack-shared-prompts (the quickstart's is a conditional default)
+        "engine_max_running_requests": 64,
         "rollout_max_response_len": 4,
         "custom_generate_function_path": "recipes.tool_use:generate",
         "custom_rm_path": "recipes.tool_use:reward",

@@ -165,3 +165,20 @@ def test_sglangs_own_parser_is_read_when_sglang_imports(monkeypatch: pytest.Monk
     monkeypatch.setitem(sys.modules, "sglang.srt.server_args", module)
     expected = frozenset({"--mem-fraction-static", "--tensor-parallel-size", "--tp-size"})
     assert sglang_server_flags() == expected
+
+
+def test_quickstart_packs_prompts_on_fsdp_only() -> None:
+    """--pack-shared-prompts is the quickstart's default where it exists (the fsdp backend): a megatron
+    run is not refused over a flag it never passed; tool_use keeps the settings it was measured with."""
+    import recipes.quickstart as quickstart
+    import recipes.tool_use as tool_use
+    from miles_aio.recipe import parse_recipe
+
+    def train(recipe: object, *argv: str) -> tuple[bool, int]:
+        cfg = parse_recipe(recipe, list(argv)).cfg  # type: ignore[arg-type]
+        return cfg.train.pack_shared_prompts, cfg.engine.engine_max_running_requests
+
+    assert train(quickstart.RECIPE) == (True, 256)
+    assert train(quickstart.RECIPE, "--train-backend", "megatron") == (False, 256)
+    assert train(quickstart.RECIPE, "--no-pack-shared-prompts") == (False, 256)
+    assert train(tool_use.RECIPE) == (False, 64)

@@ -124,3 +124,21 @@ def test_packed_forward_equals_the_rows_forward(model_dir: Path, attn: str) -> N
     assert max(g.abs().max().item() for g in rows_grads) > 1e-3  # a real gradient to compare
     for got, want in zip(packed_grads, rows_grads, strict=True):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+def test_packing_refuses_what_a_custom_mask_would_change() -> None:
+    """Flash attention takes no custom mask; a sliding window would silently become full attention."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    from miles_aio.errors import ConfigError
+    from miles_aio.trainer.backend import _check_packable
+
+    _check_packable(LlamaConfig(), "sdpa")
+    _check_packable(Qwen2Config(use_sliding_window=False), "eager")
+    with pytest.raises(ConfigError, match="flash_attention_2 attention takes no custom") as e:
+        _check_packable(LlamaConfig(), "flash_attention_2")
+    assert e.value.flags == ("--pack-shared-prompts",)
+    with pytest.raises(ConfigError, match="sliding-window"):
+        _check_packable(MistralConfig(sliding_window=4096), "sdpa")
+    with pytest.raises(ConfigError, match="sliding-window"):
+        _check_packable(Qwen2Config(use_sliding_window=True, sliding_window=64, max_window_layers=0), "sdpa")

@@ -113,6 +113,25 @@ class ModelBackend(Protocol):
     def load_optim_state(self, state: dict[str, Any]) -> None: ...
 
 
+def _check_packable(config: Any, attn: str) -> None:
+    """--pack-shared-prompts hands the model a custom 4D mask: only sdpa and eager attention take one, and
+    transformers (≥ 5) uses it unchanged on every layer, so a sliding window would silently be ignored."""
+    import transformers
+
+    why = None
+    if attn not in ("sdpa", "eager"):
+        why = f"{attn} attention takes no custom attention mask (load the model with sdpa or eager)"
+    elif int(transformers.__version__.split(".")[0]) < 5:
+        why = f"transformers {transformers.__version__} reads a custom mask differently (needs ≥ 5)"
+    elif getattr(config, "sliding_window", None) and (
+        getattr(config, "use_sliding_window", True)
+        or "sliding_attention" in (getattr(config, "layer_types", None) or ())
+    ):
+        why = "the model has sliding-window layers, which a custom mask would turn into full attention"
+    if why is not None:
+        raise ConfigError(f"prompt packing: {why}", flags=["--pack-shared-prompts"])
+
+
 class HFBackend:
     """transformers' AutoModelForCausalLM under FSDP2 `fully_shard` (world > 1 by default), DDP, or bare."""
 
@@ -160,12 +179,8 @@ class HFBackend:
             self.ref.to(device).requires_grad_(False).eval()
         self._names = [n for n, _ in module.named_parameters()]
         self._attn = str(getattr(module.config, "_attn_implementation", None))
-        if cfg.pack_shared_prompts and self._attn not in ("sdpa", "eager"):
-            raise ConfigError(
-                f"prompt packing needs a custom attention mask, which {self._attn} attention does not take "
-                "(load the model with sdpa or eager attention)",
-                flags=["--pack-shared-prompts"],
-            )
+        if cfg.pack_shared_prompts:
+            _check_packable(module.config, self._attn)
         self.pack = cfg.pack_shared_prompts
 
     def _forward(self, model: torch.nn.Module, mb: losses.MicroBatch) -> torch.Tensor:

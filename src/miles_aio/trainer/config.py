@@ -107,10 +107,11 @@ class TrainConfig:
     )
     pack_shared_prompts: bool = opt(
         False,
-        "fsdp backend: encode a prompt once per micro-batch, not once per sample of its group (the rows "
-        "sharing it become one sequence, each response masked from the others; same math). Saves the "
-        "prompt's share of the training compute, times n_samples_per_prompt − 1; needs sdpa or eager "
-        "attention, and a sequence as long as the prompt plus all its group's responses.",
+        "fsdp backend: forward a prompt shared by several samples of a micro-batch once, not once per sample "
+        "(those rows become one sequence, each response masked from the others; the same math). The linear "
+        "layers then skip the prompt's tokens n_samples_per_prompt − 1 times, but attention and its dense "
+        "mask grow with the square of prompt + all the group's responses: for short answers to long "
+        "prompts, not long responses. Needs sdpa or eager attention, no sliding window.",
     )
 
     # -- optimizer -------------------------------------------------------------------------------------

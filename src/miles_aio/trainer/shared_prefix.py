@@ -87,15 +87,17 @@ def plan(
         packed[g, : len(seq)] = torch.tensor(seq, dtype=torch.long)
         pos_ids[g, : len(seq)] = torch.tensor(pos, dtype=torch.long)
         seg_ids[g, : len(seq)] = torch.tensor(seg, dtype=torch.long)
+    device = input_ids.device  # the [G, L, L] mask is built there, not copied there
+    seg_ids = seg_ids.to(device)
     query, key = seg_ids[:, :, None], seg_ids[:, None, :]
-    causal = torch.ones((width, width), dtype=torch.bool).tril()
-    same = (query == key) & ((query != -1) | torch.eye(width, dtype=torch.bool))  # a pad sees only itself
+    causal = torch.ones((width, width), dtype=torch.bool, device=device).tril()
+    pad_self = torch.eye(width, dtype=torch.bool, device=device)
+    same = (query == key) & ((query != -1) | pad_self)  # a pad sees only itself
     allowed = causal & (same | ((key == 0) & (query >= 0)))
-    device = input_ids.device
     return Packing(
         input_ids=packed.to(device),
         position_ids=pos_ids.to(device),
-        allowed=allowed[:, None].to(device),
+        allowed=allowed[:, None],
         group=torch.tensor(group_of, dtype=torch.long, device=device),
         index=torch.tensor(index, dtype=torch.long, device=device),
     )
