@@ -366,9 +366,8 @@ class TrainConfig:
                 "--decoupled-min-lr needs --decoupled-lr", flags=["--decoupled-min-lr", "--decoupled-lr"]
             )
         if self.decoupled_lr is not None and self._decoupled_min_lr > self.decoupled_lr:
-            low = (
-                "--min-lr" if self.decoupled_min_lr is None else "--decoupled-min-lr"
-            )  # where the end came from
+            # the flag the decay's end came from
+            low = "--min-lr" if self.decoupled_min_lr is None else "--decoupled-min-lr"
             raise ConfigError(
                 f"the decoupled decay would end above its peak: --decoupled-lr {self.decoupled_lr} < "
                 f"{low} {self._decoupled_min_lr}",

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 __all__ = ["Packing", "plan", "unpack"]
 
@@ -72,23 +73,22 @@ def plan(
             seq += ids[i][p:n]
             pos += range(p, n)
             seg += [j] * (n - p)
-            for k in range(min(p, n - 1)):  # logits at a prompt position: the shared ones
-                index[i][k] = k
-            for k in range(p, n - 1):  # logits at response token k − p of this row
-                index[i][k] = start + k - p
+            shared = min(p, n - 1)
+            index[i][:shared] = range(shared)  # logits at a prompt position: the shared ones
+            index[i][p : n - 1] = range(start, start + n - 1 - p)  # at response token k − p of this row
         seqs.append(seq)
         positions.append(pos)
         segments.append(seg)
-    width = max(len(s) for s in seqs)
-    packed = torch.zeros((len(seqs), width), dtype=torch.long)
-    pos_ids = torch.zeros_like(packed)
-    seg_ids = torch.full_like(packed, -1)  # padding: a segment of its own, which attends to itself only
-    for g, (seq, pos, seg) in enumerate(zip(seqs, positions, segments, strict=True)):
-        packed[g, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        pos_ids[g, : len(seq)] = torch.tensor(pos, dtype=torch.long)
-        seg_ids[g, : len(seq)] = torch.tensor(seg, dtype=torch.long)
+
+    def padded(rows: list[list[int]], value: int) -> torch.Tensor:
+        return pad_sequence(
+            [torch.tensor(r, dtype=torch.long) for r in rows], batch_first=True, padding_value=value
+        )
+
     device = input_ids.device  # the [G, L, L] mask is built there, not copied there
-    seg_ids = seg_ids.to(device)
+    packed, pos_ids = padded(seqs, 0), padded(positions, 0)
+    seg_ids = padded(segments, -1).to(device)  # padding: a segment of its own, which attends to itself only
+    width = packed.shape[1]
     query, key = seg_ids[:, :, None], seg_ids[:, None, :]
     causal = torch.ones((width, width), dtype=torch.bool, device=device).tril()
     pad_self = torch.eye(width, dtype=torch.bool, device=device)
