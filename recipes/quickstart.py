@@ -68,6 +68,9 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
+VLLM_HEADS = DefaultsWhen(when={"rollout_backend": "vllm"}, defaults={"model_heads": 2})
+"""vLLM's CPU attention has kernels for head_dim 64 and up, not the 32 of 128 hidden over 4 heads."""
+
 PACKING = DefaultsWhen(when={"train_backend": "fsdp"}, defaults={"pack_shared_prompts": True})
 """The 8 samples of a prompt share it: the fsdp trainer forwards it once per micro-batch, not 8 times (the
 same math; the trainer sets the pace on 2 cores). Megatron's backend has no packing."""
@@ -90,7 +93,14 @@ class Options:
         "tolerates lr 1e-4 to 3e-4) or transformers (N(0, 0.02); one Adam step at 3e-4 jolts the policy).",
     )
 
+    model_heads: int = opt(
+        4,
+        "Attention heads of the tiny Llama (hidden 128; key/value heads min(2, this)); one of 1, 2, 4, 8.",
+    )
+
     def __post_init__(self) -> None:
+        if self.model_heads not in (1, 2, 4, 8):
+            raise ConfigError(f"must be 1, 2, 4 or 8, got {self.model_heads}", flags=["--model-heads"])
         if not 0.0 <= self.warm_start_accuracy <= 1.0:
             raise ConfigError(
                 f"must be in [0, 1], got {self.warm_start_accuracy}", flags=["--warm-start-accuracy"]
@@ -125,7 +135,11 @@ def prepare(cfg: RunConfig, args: RecipeArgs[Options]) -> None:
             target_accuracy=opts.warm_start_accuracy,
             seed=opts.warm_start_seed,
             check_every=opts.warm_start_check_every,
-            model_kwargs={"init": opts.model_init},
+            model_kwargs={
+                "init": opts.model_init,
+                "num_heads": opts.model_heads,
+                "num_kv_heads": min(2, opts.model_heads),
+            },
         )
 
 
@@ -149,7 +163,7 @@ RECIPE = Recipe(
     name="quickstart",
     description=(__doc__ or "").split("\n\n")[0],
     defaults=DEFAULTS,
-    defaults_when=[PACKING],
+    defaults_when=[PACKING, VLLM_HEADS],
     build=build,
     options=Options,
     prompts=prompts,

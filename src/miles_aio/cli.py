@@ -56,6 +56,7 @@ __all__ = [
     "component_from_values",
     "config_error_exit",
     "config_from_values",
+    "defaults_when_notes",
     "parse_flags",
     "parse_run_config",
     "shown_default",
@@ -224,6 +225,11 @@ def add_flags(
         _add_field(group, f, hints[f.name], default, (notes or {}).get(f.name))
 
 
+def defaults_when_notes(defaults_when: Sequence[DefaultsWhen]) -> dict[str, str]:
+    """What `--help` adds to each flag's default for the conditional defaults, by field name."""
+    return {name: f"{_show(v)} {d.describe()}" for d in defaults_when for name, v in d.defaults.items()}
+
+
 def build_parser(
     prog: str | None = None,
     *,
@@ -234,10 +240,7 @@ def build_parser(
     """A parser for every RunConfig flag. `defaults` (by field name) override the dataclass defaults;
     `defaults_when` only show in `--help` here (`apply_defaults_when` applies them after parsing)."""
     defaults = dict(defaults or {})
-    notes: dict[str, str] = {}
-    for d in defaults_when:
-        for name, value in d.defaults.items():
-            notes[name] = f"{_show(value)} {d.describe()}"
+    notes = defaults_when_notes(defaults_when)
     parser = FlagParser(prog=prog, description=description, allow_abbrev=False)
     parser.add_argument(
         "--run-dir",

@@ -572,11 +572,6 @@ class RunConfig:
             self.train, num_rollout=self.driver.num_rollout, samples_per_step=self.samples_per_step
         )
         check_off_policy_correction(self.train, fully_async=True)
-        if self.engine.rollout_backend == "vllm" and self.train.update_weight_transfer_mode != "disk":
-            raise ConfigError(
-                "the vLLM engines load weights from disk only (miles_aio.inference.vllm)",
-                flags=["--update-weight-transfer-mode", "--rollout-backend"],
-            )
         if self.buffer_capacity_groups < 1:
             raise ConfigError(
                 f"buffer capacity floor({self.buffer.async_data_buffer_capacity_factor} × "
@@ -632,7 +627,8 @@ def resolve(cfg: RunConfig) -> RunConfig:
     - `--lr-decay-iters` unset with a linear/cosine schedule: the run's last optimizer step (Megatron's
       default), so the ranks train with the schedule the run's own config states;
     - `--hf-checkpoint`'s layer count splits into the pipeline stages (reads its config.json);
-    - what the flags ask for is installed (wandb).
+    - what the flags ask for is installed (wandb), and weights by broadcast to vLLM have a CUDA device
+      (vLLM's weight transfer is NCCL only).
 
     Idempotent: `resolve(resolve(cfg)) == resolve(cfg)`."""
     train = with_run_lr_decay(
@@ -640,7 +636,23 @@ def resolve(cfg: RunConfig) -> RunConfig:
     )
     check_model_layers(train)
     check_observability_installed(cfg.observability)
+    check_vllm_broadcast(cfg)
     return cfg if train is cfg.train else cfg.replace(train=train)
+
+
+def check_vllm_broadcast(cfg: RunConfig) -> None:
+    """Weights by broadcast to vLLM servers need CUDA: vLLM's weight transfer is NCCL only (it has no
+    gloo backend, so a CPU trainer cannot send to it)."""
+    if cfg.engine.rollout_backend != "vllm" or cfg.train.update_weight_transfer_mode != "broadcast":
+        return
+    import torch  # only for this combination: the check needs the machine, not the values
+
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "vLLM takes weights by broadcast over NCCL only, and this machine has no CUDA device: "
+            "use --update-weight-transfer-mode disk",
+            flags=["--update-weight-transfer-mode", "--rollout-backend"],
+        )
 
 
 def config_warnings(cfg: RunConfig) -> list[ConfigWarning]:

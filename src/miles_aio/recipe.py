@@ -40,6 +40,7 @@ from miles_aio.cli import (
     component_from_values,
     config_error_exit,
     config_from_values,
+    defaults_when_notes,
     parse_flags,
 )
 from miles_aio.config import RunConfig, log_config_warnings, resolve
@@ -203,7 +204,11 @@ def _parser(recipe: Recipe[Any]) -> FlagParser:
     general.add_argument("--log-format", choices=["console", "json"], default="console", help="Log renderer.")
     general.add_argument("--log-level", default="INFO", help="Log level (default: INFO).")
     if dataclasses.fields(recipe.options):
-        add_flags(parser.add_argument_group(recipe.name), recipe.options)
+        add_flags(
+            parser.add_argument_group(recipe.name),
+            recipe.options,
+            notes=defaults_when_notes(recipe.defaults_when),
+        )
     parser.epilog = (
         "SGLang passthrough: --sglang-<flag> [value] is given to every SGLang server this run launches "
         "as --<flag> [value]; --eval-sglang-<flag> [value] overrides or adds --<flag> for the dedicated "

@@ -39,7 +39,13 @@ MILES_ONLY = {
 # other tools' flags the docs show in commands
 TOOL_FLAGS = {"--strict", "--no-deps"}
 # vLLM's own server flags, named on the "Choosing an engine" page (vLLM is not installed here to ask)
-VLLM_FLAGS = {"--model", "--no-enable-prefix-caching", "--logprobs-mode", "--enable-prompt-tokens-details"}
+VLLM_FLAGS = {
+    "--model",
+    "--no-enable-prefix-caching",
+    "--logprobs-mode",
+    "--enable-prompt-tokens-details",
+    "--weight-transfer-config",
+}
 
 
 def torchrun_flags() -> set[str]:

@@ -92,15 +92,14 @@ def vllm_target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
         return
     if os.environ.get(VLLM_LAUNCH_ENV) != "1":
         pytest.skip(f"set {VLLM_URL_ENV}=http://host:port or {VLLM_LAUNCH_ENV}=1 to run against real vLLM")
-    from miles_aio.inference.sglang_launch import free_port
-    from miles_aio.inference.vllm_launch import VLLMServers, vllm_command
+    from miles_aio.inference.server_launch import free_port
+    from miles_aio.inference.vllm_launch import vllm_command, vllm_env
 
     root = tmp_path_factory.mktemp("protocol-vllm")
     m0, m1 = _tiny(root, 0), _tiny(root, 1)
     port = free_port()
     cmd = vllm_command(str(m0), host="127.0.0.1", port=port, tp_size=1, extra_args=["--max-model-len", "256"])
-    env = VLLMServers(m0, gpus_per_engine=1, gpu_offset=0, host="", extra_args=(), ready_timeout_s=0,
-                      log_dir=root, env={"HF_HUB_OFFLINE": "1"})._child_env(0)  # fmt: skip
+    env = vllm_env({**os.environ, "HF_HUB_OFFLINE": "1"})
     log = root / "vllm.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)

@@ -1,8 +1,10 @@
-"""The SGLang launcher's process handling, run against the embedded engine (same health endpoint).
+"""The SGLang and vLLM launchers' process handling (`server_launch`), run against the embedded engine
+(it serves both health routes).
 
-SGLang itself cannot serve on a CPU machine; the launcher logic — spawn in its own process group,
-wait for /health_generate, report early death with the log tail, tear the whole group down on every
-exit path — is the same whatever the command, so the embedded engine stands in for it here.
+SGLang cannot serve on a CPU machine, and vLLM takes a minute to start (`nox -s vllm` starts the real
+one); the launcher logic — spawn in its own process group, wait for the health route, report early
+death with the log tail, tear the whole group down on every exit path, restart one engine — is the
+same whatever the command, so the embedded engine stands in for both here.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from miles_aio.inference.sglang_launch import (
     launch_sglang_servers,
     sglang_command,
 )
+from miles_aio.inference.vllm_launch import vllm_servers
 from miles_aio.models.tiny import build_tiny_llama
 
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(120)]
@@ -130,6 +133,38 @@ def test_cancellation_during_start_leaves_no_process(model_dir: Path, tmp_path: 
     asyncio.run(main())
     assert procs
     assert all(not alive(p) for p in procs)
+
+
+def test_vllm_servers_get_their_env_and_restart_one_engine(model_dir: Path, tmp_path: Path) -> None:
+    """The vLLM kind: its RL routes switched on, the caller's KV-cache size kept, engine i on GPUs after
+    the offset; `start(i)` brings a killed engine back on a fresh process, and exit takes both down."""
+    pids: list[int] = []
+
+    async def main() -> None:
+        commands = [engine_cmd(model_dir), engine_cmd(model_dir)]
+        async with vllm_servers(
+            model_dir, gpu_offset=2, log_dir=tmp_path, commands=commands, env={"VLLM_CPU_KVCACHE_SPACE": "3"}
+        ) as launcher:
+            first, second = await launcher.start_all(2)
+            envs = [_environ(s.pid) for s in (first, second)]
+            assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["2", "3"]
+            assert all(e["VLLM_SERVER_DEV_MODE"] == "1" and e["VLLM_CPU_KVCACHE_SPACE"] == "3" for e in envs)
+            os.killpg(second.pid, 9)
+            assert await second.wait() != 0
+            again = await launcher.start(1)
+            async with httpx.AsyncClient() as c:
+                assert (await c.get(f"{again.url}/health")).status_code == 200
+            assert again.pid != second.pid
+            pids.extend([first.pid, again.pid])
+
+    asyncio.run(main())
+    assert (tmp_path / "vllm-1.log").exists()
+    assert not any(alive(p) for p in pids)
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(kv.decode().split("=", 1) for kv in raw if b"=" in kv)
 
 
 def _cmdline_has(pid: int, needle: str) -> bool:

@@ -5,6 +5,7 @@ weights that really made each token (the fake encodes them in the token id)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 from typing import Any
 
@@ -261,11 +262,6 @@ def test_errors_map_onto_engine_errors() -> None:
             with pytest.raises(FlushRefused):
                 await client.flush_cache()
             await client.flush_cache()
-            with pytest.raises(EngineBadResponse, match="disk"):
-                await client.init_weights_update_group(
-                    master_address="a", master_port=1, rank_offset=1, world_size=2
-                )
-            assert client.weight_broadcast() is None
             info = await client.server_info()
             assert (info["engine"], info["tp_size"], info["disable_radix_cache"]) == ("vllm", 1, False)
         with pytest.raises(EngineUnavailable, match="closed"):
@@ -316,10 +312,6 @@ _REQUIRED = ["--rollout-batch-size", "2", "--num-rollout", "1", "--use-tis"]
     [
         (["--vllm-urls", "http://a"], "--vllm-urls, --rollout-backend"),
         (["--rollout-backend", "vllm", "--sglang-urls", "http://a"], "--sglang-urls, --rollout-backend"),
-        (
-            ["--rollout-backend", "vllm", "--update-weight-transfer-mode", "broadcast"],
-            "--update-weight-transfer-mode, --rollout-backend",
-        ),
     ],
 )
 def test_bad_vllm_flags_exit_2_naming_them(
@@ -340,3 +332,120 @@ def test_vllm_urls_are_the_engines() -> None:
     cfg = parse_run_config([*_REQUIRED, "--rollout-backend", "vllm", "--vllm-urls", "http://a", "http://b"])
     assert cfg.engine.num_engines == 2
     assert cfg.engine.vllm_urls == ("http://a", "http://b")
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("cuda", [False, True])
+def test_vllm_broadcast_needs_cuda_and_asks_the_servers_for_it(
+    cuda: bool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """vLLM's weight transfer is NCCL only: without CUDA the flags exit 2 naming them, before anything
+    starts; with it the launched servers get the weight-transfer config their routes need."""
+    import torch
+
+    from miles_aio.cli import parse_run_config
+    from miles_aio.inference.engines import vllm_launch_args
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    argv = [*_REQUIRED, "--rollout-backend", "vllm", "--update-weight-transfer-mode", "broadcast"]
+    if not cuda:
+        with pytest.raises(SystemExit) as exit_info:
+            parse_run_config(argv)
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert "--update-weight-transfer-mode, --rollout-backend" in err and "NCCL only" in err
+        return
+    args = vllm_launch_args(parse_run_config(argv))
+    assert args[args.index("--weight-transfer-config") + 1] == '{"backend": "nccl"}'
+    assert "--weight-transfer-config" not in vllm_launch_args(parse_run_config(argv[:-2]))
+
+
+# ---- weights by broadcast (vLLM's NCCL weight-transfer routes) --------------------------------------
+
+
+def test_broadcast_push_uses_vllms_transfer_routes_in_order() -> None:
+    """Join: `init_info` as vLLM's worker reads it. Each bucket: start → update (names, dtype_names,
+    shapes) → finish, then the flush and the version stamp; pieces after it carry the new version and
+    the pieces before it the old one (own pause outside a controller pause). Leave: shutdown."""
+    fake = FakeVLLMServer()
+
+    async def main() -> tuple[GenerateOutput, GenerateOutput]:
+        async with _client(fake) as client:
+            await client.update_weight_version(1)
+            push = client.weight_broadcast()
+            assert push.push_clients() == (client,)
+            await push.init_weights_update_group(
+                master_address="10.0.0.1", master_port=29555, rank_offsets=[1], world_size=3, group_name="g"
+            )
+            before = await client.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 5})
+            await push.update_weights_from_distributed(
+                names=["a", "b"],
+                dtypes=["bfloat16", "float32"],
+                shapes=[[2, 3], [4]],
+                version=2,
+                group_name="g",
+            )
+            after = await client.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 5})
+            await push.destroy_weights_update_group("g")
+            return before, after
+
+    before, after = run_virtual(main())
+    assert fake.transfer_group is None
+    init = next(b for p, b in fake.calls if p == "/init_weight_transfer_engine")["init_info"]
+    assert init == {
+        "master_address": "10.0.0.1", "master_port": 29555, "rank_offset": 1, "world_size": 3, "packed": False
+    }  # fmt: skip
+    assert fake.received == [
+        {"names": ["a", "b"], "dtype_names": ["bfloat16", "float32"], "shapes": [[2, 3], [4]]}
+    ]
+    paths = [p for p, _ in fake.calls if p != "/v1/completions"]
+    i = paths.index("/start_weight_update")
+    assert paths[i - 1] == "/pause" and paths[i : i + 3] == [
+        "/start_weight_update",
+        "/update_weights",
+        "/finish_weight_update",
+    ]
+    assert paths[i + 3 :].index("/update_weight_version") < paths[i + 3 :].index("/resume")
+    _assert_versions_exact(before, {0: 1})
+    _assert_versions_exact(after, {1: 2})
+    assert fake.version == "2"
+
+
+def test_broadcast_to_vllm_refuses_gloo_and_reports_an_unconfigured_server() -> None:
+    """gloo (a CPU trainer) is refused before the server is asked; a server started without
+    `--weight-transfer-config` answers vLLM's own error, raised as EngineUnavailable (a 5xx)."""
+    fake = FakeVLLMServer()
+    fake.weight_transfer = False
+    join = functools.partial(
+        VLLMClient.init_weights_update_group,
+        master_address="127.0.0.1",
+        master_port=1,
+        rank_offset=1,
+        world_size=2,
+    )
+
+    async def main() -> None:
+        async with _client(fake) as client:
+            with pytest.raises(EngineBadResponse, match="NCCL only"):
+                await join(client, backend="gloo")
+            assert not fake.calls
+            with pytest.raises(EngineUnavailable, match="Weight transfer not configured"):
+                await join(client)
+
+    run_virtual(main())
+
+
+@pytest.mark.pure
+def test_the_trainer_forms_vllms_own_group_for_vllm_servers_only() -> None:
+    """Rank 0 joins vLLM servers through vLLM's NCCL rendezvous and every other server through
+    torch.distributed (SGLang's protocol); a group mixing them, or vLLM's with gloo, is a config error."""
+    from miles_aio.errors import ConfigError
+    from miles_aio.trainer.actor import _group_protocol
+
+    assert _group_protocol(["vllm", "vllm"], "nccl") == "vllm"
+    assert _group_protocol([None, "miles_aio-embedded"], "gloo") == "torch"
+    with pytest.raises(ConfigError, match="cannot hold vLLM and other"):
+        _group_protocol(["vllm", None], "nccl")
+    with pytest.raises(ConfigError, match="NCCL only") as e:
+        _group_protocol(["vllm"], "gloo")
+    assert e.value.flags == ("--update-weight-transfer-mode", "--rollout-backend")

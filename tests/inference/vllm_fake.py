@@ -22,6 +22,17 @@ TOKEN_BASE = 1000
 """token // TOKEN_BASE: the weights generation (reloads so far) that produced the token."""
 
 
+_TRANSFER_ROUTES = frozenset(
+    {
+        "/init_weight_transfer_engine",
+        "/shutdown_weight_transfer_engine",
+        "/start_weight_update",
+        "/update_weights",
+        "/finish_weight_update",
+    }
+)
+
+
 @dataclass(eq=False)
 class _Request:
     rid: str
@@ -46,6 +57,13 @@ class FakeVLLMServer:
         """path → HTTP status to answer instead (e.g. {"/pause": 500})."""
         self.disconnects = 0
         """The next this many calls are cut before any answer (httpx.RemoteProtocolError)."""
+        self.weight_transfer = True
+        """Started with `--weight-transfer-config`: False answers its routes as vLLM does without it."""
+        self.transfer_group: dict[str, Any] | None = None
+        """The `init_info` of the NCCL group the workers joined (`/init_weight_transfer_engine`)."""
+        self.updating = False
+        self.received: list[dict[str, Any]] = []
+        """The `update_info` of each `/update_weights` (what the broadcast would have delivered)."""
         self.requests: dict[str, _Request] = {}
         self.calls: list[tuple[str, dict[str, Any]]] = []
         """(path, body or query) of every call, in order."""
@@ -95,6 +113,8 @@ class FakeVLLMServer:
             self.weights += 1
             self.loaded.append(body["kwargs"]["weights_path"])
             return httpx.Response(200, json={"results": [None]})
+        if path in _TRANSFER_ROUTES:
+            return self._transfer(path, body)
         if path == "/update_weight_version":
             self.version = body["new_version"]
             return httpx.Response(200, json={"success": True, "new_version": self.version})
@@ -106,6 +126,39 @@ class FakeVLLMServer:
             config = "model='m', tensor_parallel_size=1, enable_prefix_caching=True, seed=0"
             return httpx.Response(200, json={"vllm_config": config})
         return httpx.Response(404, json={"detail": "Not Found"})
+
+    def _transfer(self, path: str, body: dict[str, Any]) -> httpx.Response:
+        """vLLM 0.32's weight-transfer routes, with the order its worker enforces (gpu_worker.py); a
+        worker's RuntimeError is a 500 there."""
+
+        def refuse(why: str) -> httpx.Response:
+            return httpx.Response(500, json={"error": {"message": why}})
+
+        if not self.weight_transfer:
+            return refuse("Weight transfer not configured. Please set weight_transfer_config.")
+        if path == "/init_weight_transfer_engine":
+            self.transfer_group = body["init_info"]
+            return httpx.Response(200, json={"message": "Weight transfer initialized"})
+        if path == "/shutdown_weight_transfer_engine":
+            if self.updating:
+                return refuse("Cannot shut down weight transfer during an active weight update.")
+            self.transfer_group = None
+            return httpx.Response(200, json={"message": "Weight transfer shut down"})
+        if self.transfer_group is None:
+            return refuse("Weight transfer engine not initialized.")
+        if path == "/start_weight_update":
+            if self.updating:
+                return refuse("A weight update is already in progress.")
+            self.updating = True
+            return httpx.Response(200, json={"message": "Weight update started"})
+        if not self.updating:
+            return refuse(f"start_weight_update must be called before {path.strip('/')}.")
+        if path == "/update_weights":
+            self.received.append(body["update_info"])
+            return httpx.Response(200, json={"message": "Weights updated"})
+        self.updating = False  # /finish_weight_update
+        self.weights += 1
+        return httpx.Response(200, json={"message": "Weight update finished"})
 
     async def _complete(self, body: dict[str, Any]) -> httpx.Response:
         await asyncio.sleep(self.network_latency_s)  # on its way: unknown to /abort_requests until here

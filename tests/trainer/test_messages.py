@@ -44,6 +44,15 @@ REQUESTS: list[protocol.AnyRequest] = [
     protocol.BcastInitRequest(
         backend="gloo", master_address="h", master_port=1, world_size=3, group_name="g", timeout_s=5.0
     ),
+    protocol.BcastInitRequest(
+        backend="nccl",
+        master_address="h",
+        master_port=1,
+        world_size=3,
+        group_name="g",
+        timeout_s=5.0,
+        protocol="vllm",
+    ),
     protocol.BcastBucketRequest(names=["a", "b"]),
     protocol.BcastDestroyRequest(),
     protocol.SaveRequest(step=4, directory="/c/step_4"),

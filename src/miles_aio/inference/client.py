@@ -31,7 +31,6 @@ import asyncio
 import contextlib
 import enum
 import itertools
-import json
 import uuid
 from collections.abc import Awaitable, Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass
@@ -50,9 +49,12 @@ from miles_aio.inference.wire import (
     decode_json_object,
     decode_json_value,
     encode_json,
+    error_text,
+    http_error,
     join_pieces,
     parse_generate_response,
     parse_wire_version,
+    transport_error,
     wire_version,
 )
 from miles_aio.types import GenerateOutput
@@ -333,13 +335,10 @@ class SGLangClient:
         """Await one HTTP exchange; map transport failures and non-2xx statuses onto EngineError."""
         try:
             status, body = await exchange
-        except httpx.TimeoutException as e:
-            raise EngineUnavailable(f"{self.url}{path}: timed out ({type(e).__name__}: {e})") from e
         except httpx.TransportError as e:
-            raise EngineUnavailable(f"{self.url}{path}: {type(e).__name__}: {e or 'no connection'}") from e
+            raise transport_error(f"{self.url}{path}", e) from e
         if status >= 400:
-            kind = EngineUnavailable if status >= 500 else EngineBadResponse
-            raise kind(f"{self.url}{path}: HTTP {status}: {_error_text(body)}")
+            raise http_error(f"{self.url}{path}", status, body)
         return body
 
     async def _request(
@@ -606,23 +605,17 @@ class SGLangClient:
         ends before its last chunk is `EngineUnavailable` (the server went away mid-generation)."""
         try:
             stream = await self._open_stream(content, headers)
-        except httpx.TimeoutException as e:
-            raise EngineUnavailable(f"{where}: timed out ({type(e).__name__}: {e})") from e
         except httpx.TransportError as e:
-            raise EngineUnavailable(f"{where}: {type(e).__name__}: {e or 'no connection'}") from e
+            raise transport_error(where, e) from e
         try:
             if stream.status >= 400:
-                text = _error_text(await _read_all(stream))
-                kind = EngineUnavailable if stream.status >= 500 else EngineBadResponse
-                raise kind(f"{where}: HTTP {stream.status}: {text}")
+                raise http_error(where, stream.status, await _read_all(stream))
             decoder, buffer = StreamDecoder(where), b""
             while True:
                 try:
                     piece = await stream.read()
-                except httpx.TimeoutException as e:
-                    raise EngineUnavailable(f"{where}: timed out ({type(e).__name__}: {e})") from e
                 except httpx.TransportError as e:
-                    raise EngineUnavailable(f"{where}: {type(e).__name__}: {e or 'connection lost'}") from e
+                    raise transport_error(where, e, lost="connection lost") from e
                 if not piece:
                     raise EngineUnavailable(f"{where}: the stream ended before the generation finished")
                 buffer += piece
@@ -689,7 +682,7 @@ class SGLangClient:
         async def exchange() -> tuple[int, bytes]:
             resp = await self._http.request("POST", "/flush_cache", timeout=timeout)
             if resp.status_code == 400:
-                raise FlushRefused(f"{self.url}/flush_cache: HTTP 400: {_error_text(resp.content)}")
+                raise FlushRefused(f"{self.url}/flush_cache: HTTP 400: {error_text(resp.content)}")
             return resp.status_code, resp.content
 
         await self._send("/flush_cache", exchange())
@@ -801,17 +794,6 @@ class SGLangClient:
             answer = await self._request("GET", "/get_weight_version", timeout_s=self._timeouts.health_s)
             info = decode_json_object(answer, where)
         return parse_wire_version(info.get("weight_version"), where)
-
-
-def _error_text(body: bytes) -> str:
-    """The server's error message: SGLang sends {"error": {"message": ...}}, {"error": "..."}, or its
-    ErrorResponse {"object": "error", "message": ..., "code": ...} (validation errors, request timeouts)."""
-    try:
-        data = json.loads(body)
-    except (ValueError, RecursionError):
-        return body[:200].decode(errors="replace") or "(empty body)"
-    err = data.get("error", data.get("message", data)) if isinstance(data, dict) else data
-    return str(err.get("message", err) if isinstance(err, dict) else err)[:500]
 
 
 async def _read_all(stream: BodyStream) -> bytes:

@@ -4,7 +4,8 @@
   sglang   `--rollout-num-gpus / --rollout-num-gpus-per-engine` SGLang servers, started here on the
            GPUs after the trainer's (`gpu_offset`), with every `--sglang-<flag>` passed through
   vllm     `--rollout-num-gpus / --rollout-num-gpus-per-engine` vLLM servers, started here
-           (`inference.vllm_launch`), spoken to by `VLLMClient` (`inference.vllm`); disk weights only
+           (`inference.vllm_launch`), spoken to by `VLLMClient` (`inference.vllm`); weights by broadcast on
+           CUDA only (vLLM's transfer is NCCL), refused by `config.resolve` elsewhere
   urls     `--sglang-urls`: servers (or one sglang-router) that are already running;
            `--vllm-urls` (with `--rollout-backend vllm`): running vLLM servers
 Whatever started them stops them on every exit path. `--sglang-api-key` is given to the engines started
@@ -35,7 +36,12 @@ from miles_aio.inference.availability import RestartPolicy
 from miles_aio.inference.router import ClientFactory, EngineRouter, RouterPolicy
 from miles_aio.inference.supervisor import EngineLauncher, EngineProcess, supervise_engines
 
-__all__ = ["api_key_args", "check_in_place_prefix_cache", "open_engines", "vllm_launch_args"]
+__all__ = [
+    "api_key_args",
+    "check_in_place_prefix_cache",
+    "open_engines",
+    "vllm_launch_args",
+]
 
 _IN_PLACE_FLAGS = ["--pause-generation-mode", "--sglang-disable-radix-cache"]
 _IN_PLACE_WHY = (
@@ -72,6 +78,8 @@ def vllm_launch_args(cfg: RunConfig) -> list[str]:
     args = api_key_args(cfg.engine.sglang_api_key)
     if cfg.driver.pause_generation_mode == "in_place":
         args.append("--no-enable-prefix-caching")
+    if cfg.train.update_weight_transfer_mode == "broadcast":
+        args += ["--weight-transfer-config", '{"backend": "nccl"}']  # vLLM's weight routes need it
     return args
 
 

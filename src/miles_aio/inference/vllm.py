@@ -10,6 +10,8 @@ started with `VLLM_SERVER_DEV_MODE=1`):
   abort               POST /abort_requests {"request_ids": [...]} (vLLM's ids: `cmpl-<request_id>-0`)
   flush               POST /reset_prefix_cache (answers {"success": false} while blocks are held)
   weights from disk   POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": dir}}
+  weights by NCCL     POST /init_weight_transfer_engine, /start_weight_update, /update_weights,
+                      /finish_weight_update, /shutdown_weight_transfer_engine (below)
   version             POST /update_weight_version {"new_version"}, GET /weight_info
   health / info       GET /health, a 1-token completion, GET /server_info, GET /version
 
@@ -38,8 +40,15 @@ the weights the piece was stamped with; a request split at a pause is continued 
             `--no-enable-prefix-caching` (`server_info()` reports it as `disable_radix_cache`, which
             `engines` checks), and it behaves like retract.
 
-Weights by broadcast are not implemented for vLLM (`weight_broadcast()` is None; its NCCL weight-transfer
-routes need vLLM's own trainer-side engine): use `--update-weight-transfer-mode disk`.
+**Weights by broadcast** (GPU only: vLLM's weight transfer is NCCL, it has no gloo backend) go through
+vLLM's native weight-transfer routes, on a server started with `--weight-transfer-config
+'{"backend": "nccl"}'`: `/init_weight_transfer_engine {"init_info": {master_address, master_port,
+rank_offset, world_size, packed: false}}` while trainer rank 0 opens its end of the group (vLLM's
+`nccl_common.trainer_init`: a StatelessProcessGroup and a PyNccl communicator, so the trainer's
+interpreter needs vllm too); then per bucket `/start_weight_update`, `/update_weights {"update_info":
+{names, dtype_names, shapes}}` while rank 0 broadcasts each tensor in `names` order, and
+`/finish_weight_update`; `/shutdown_weight_transfer_engine` leaves the group. This path has not been run
+here (no GPU on the development machine): `tests/gpu` holds its test.
 
 Errors map as in `SGLangClient`: HTTP 5xx, refused/reset connections and timeouts raise
 `EngineUnavailable`; 4xx, invalid JSON and answers that break the contract raise `EngineBadResponse`.
@@ -51,7 +60,6 @@ import asyncio
 import contextlib
 import enum
 import itertools
-import json
 import re
 import uuid
 from collections.abc import Hashable, Mapping
@@ -63,13 +71,15 @@ import structlog
 
 from miles_aio._notify import Notifier
 from miles_aio.errors import EngineBadResponse, EngineError, EngineUnavailable
-from miles_aio.inference.base import PauseMode, WeightBroadcast
+from miles_aio.inference.base import PauseMode, SingleServerBroadcast
 from miles_aio.inference.client import AiohttpTransport, ClientTimeouts, FlushRefused
 from miles_aio.inference.wire import (
     SGLANG_DEFAULT_MAX_NEW_TOKENS,
     decode_json_object,
+    http_error,
     join_pieces,
     parse_wire_version,
+    transport_error,
     wire_version,
 )
 from miles_aio.types import FinishReason, GenerateOutput
@@ -221,14 +231,11 @@ class VLLMClient:
                 # for every route here (a piece keeps its registration, so a pause still ends it).
                 _log.debug("vllm_disconnected_retry", url=self.url, path=path, error=str(e))
                 resp = await self._http.request(method, path, json=body, params=params, timeout=t)
-        except httpx.TimeoutException as e:
-            raise EngineUnavailable(f"{self.url}{path}: timed out ({type(e).__name__}: {e})") from e
         except httpx.TransportError as e:
-            raise EngineUnavailable(f"{self.url}{path}: {type(e).__name__}: {e or 'no connection'}") from e
+            raise transport_error(f"{self.url}{path}", e) from e
         if resp.status_code >= 400:
-            kind = EngineUnavailable if resp.status_code >= 500 else EngineBadResponse
             hint = " (is the server started with VLLM_SERVER_DEV_MODE=1?)" if resp.status_code == 404 else ""
-            raise kind(f"{self.url}{path}: HTTP {resp.status_code}: {_error_text(resp.content)}{hint}")
+            raise http_error(f"{self.url}{path}", resp.status_code, resp.content, hint)
         return resp.content
 
     async def _admin(
@@ -397,7 +404,24 @@ class VLLMClient:
         group_name: str = "weight_update_group",
         backend: str = "nccl",
     ) -> None:
-        raise EngineBadResponse(_NO_BROADCAST)
+        """`/init_weight_transfer_engine`: this server's workers join trainer rank 0's NCCL group from
+        `rank_offset` on (it returns once the group is formed). `group_name` is not sent (one group per
+        server); any backend but nccl is refused here, before the server is asked."""
+        if backend != "nccl":
+            raise EngineBadResponse(f"{self.url}: {_NCCL_ONLY} (asked for {backend})")
+        init_info = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "packed": False,  # one broadcast per tensor, in `names` order, as the trainer sends them
+        }
+        await self._call(
+            "POST",
+            "/init_weight_transfer_engine",
+            body={"init_info": init_info},
+            timeout_s=self._timeouts.admin_s,
+        )
 
     async def update_weights_from_distributed(
         self,
@@ -409,14 +433,33 @@ class VLLMClient:
         group_name: str = "weight_update_group",
         flush_cache: bool = True,
     ) -> None:
-        raise EngineBadResponse(_NO_BROADCAST)
+        """Receive these tensors by NCCL broadcast from trainer rank 0 (start, update, finish), optionally
+        flush the prefix cache, then stamp `version`. Outside a pause it pauses (retract) around the
+        update, so no piece spans it (as `update_weights_from_disk`)."""
+        own_pause = self._paused is None
+        if own_pause:
+            await self.pause_generation("retract")
+        try:
+            admin = self._timeouts.admin_s
+            await self._call("POST", "/start_weight_update", timeout_s=admin)
+            update_info = {"names": names, "dtype_names": dtypes, "shapes": shapes}
+            await self._call("POST", "/update_weights", body={"update_info": update_info}, timeout_s=admin)
+            await self._call("POST", "/finish_weight_update", body={}, timeout_s=admin)
+            if flush_cache:
+                await self.flush_cache()
+            if version is not None:
+                await self.update_weight_version(version)
+        finally:
+            if own_pause:
+                await self.continue_generation()
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
-        raise EngineBadResponse(_NO_BROADCAST)
+        """`/shutdown_weight_transfer_engine`: leave the trainer's NCCL group."""
+        await self._call("POST", "/shutdown_weight_transfer_engine", timeout_s=self._timeouts.admin_s)
 
-    def weight_broadcast(self) -> WeightBroadcast | None:
-        """None: this handle loads weights from disk only."""
-        return None
+    def weight_broadcast(self) -> SingleServerBroadcast:
+        """This server alone takes a weight push by broadcast (NCCL only: vLLM has no gloo transfer)."""
+        return SingleServerBroadcast(self)
 
     # ---- abort, health, info -------------------------------------------------------------------------
 
@@ -463,9 +506,9 @@ class VLLMClient:
         }
 
 
-_NO_BROADCAST: Final = (
-    "weights by broadcast are not implemented for vLLM (its NCCL weight-transfer routes need vLLM's "
-    "trainer-side engine); use --update-weight-transfer-mode disk"
+_NCCL_ONLY: Final = (
+    "vLLM's weight transfer is NCCL only (GPU trainer and servers); on a CPU use "
+    "--update-weight-transfer-mode disk"
 )
 
 
@@ -510,15 +553,3 @@ def parse_completion(body: Mapping[str, Any], *, version: int | None, where: str
         cached_tokens=cached if type(cached) is int else 0,
         meta={"id": body.get("id")},
     )
-
-
-def _error_text(body: bytes) -> str:
-    """vLLM's error message: {"error": {"message": ...}}, {"error": "..."} or {"detail": ...}."""
-    try:
-        data = json.loads(body)
-    except (ValueError, RecursionError):
-        return body[:200].decode(errors="replace") or "(empty body)"
-    if isinstance(data, dict):
-        err = data.get("error", data.get("detail", data.get("message", data)))
-        return str(err.get("message", err) if isinstance(err, dict) else err)[:500]
-    return str(data)[:500]

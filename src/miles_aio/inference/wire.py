@@ -13,6 +13,7 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
+import httpx
 import msgspec  # a dependency (pyproject): StreamDecoder needs its typed decoding
 
 from miles_aio.errors import EngineBadResponse, EngineError, EngineUnavailable
@@ -37,10 +38,13 @@ __all__ = [
     "decode_json_object",
     "decode_json_value",
     "encode_json",
+    "error_text",
+    "http_error",
     "join_pieces",
     "parse_generate_response",
     "parse_wire_version",
     "stream_error",
+    "transport_error",
     "wire_version",
 ]
 
@@ -318,3 +322,30 @@ def decode_json_object(body: bytes, where: str) -> dict[str, Any]:
     if type(data) is not dict:
         raise EngineBadResponse(f"{where}: expected a JSON object, got {type(data).__name__}")
     return data
+
+
+def error_text(body: bytes) -> str:
+    """A server's error message from an error answer's body: SGLang's {"error": {"message": ...}},
+    {"error": "..."} or ErrorResponse {"object": "error", "message": ...}; vLLM's and FastAPI's
+    {"detail": ...}; else the start of the body."""
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        return body[:200].decode(errors="replace") or "(empty body)"
+    if isinstance(data, dict):
+        data = data.get("error", data.get("detail", data.get("message", data)))
+    return str(data.get("message", data) if isinstance(data, dict) else data)[:500]
+
+
+def http_error(where: str, status: int, body: bytes, hint: str = "") -> EngineError:
+    """The error of a 4xx/5xx answer to `where` (`url/path`): a 5xx is the server's trouble
+    (EngineUnavailable: the router may retry elsewhere), a 4xx refuses what was sent (EngineBadResponse)."""
+    kind = EngineUnavailable if status >= 500 else EngineBadResponse
+    return kind(f"{where}: HTTP {status}: {error_text(body)}{hint}")
+
+
+def transport_error(where: str, e: httpx.TransportError, *, lost: str = "no connection") -> EngineUnavailable:
+    """No answer from `where`: a timeout, or a connection that failed (`lost` when httpx says nothing)."""
+    if isinstance(e, httpx.TimeoutException):
+        return EngineUnavailable(f"{where}: timed out ({type(e).__name__}: {e})")
+    return EngineUnavailable(f"{where}: {type(e).__name__}: {e or lost}")

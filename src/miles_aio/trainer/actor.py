@@ -536,12 +536,14 @@ class TrainerActor:
         meta = (await self._call(WeightMetaRequest(), ranks=[0]))[0]
         try:
             async with asyncio.timeout(self.weight_group_timeout_s):
-                tps = [int((await c.server_info()).get("tp_size", 1)) for c in clients]
+                infos = [await c.server_info() for c in clients]
         except (EngineError, TimeoutError) as exc:
             return f"server_info: {exc or 'timed out'}"
+        tps = [int(info.get("tp_size", 1)) for info in infos]
         offsets = [1 + sum(tps[:i]) for i in range(len(tps))]
         name = f"miles_aio_weights_{os.getpid()}_{version}"
         backend = "nccl" if self._device.startswith("cuda") else "gloo"
+        protocol_name = _group_protocol([info.get("engine") for info in infos], backend)
         world_size = 1 + sum(tps)
         init = BcastInitRequest(
             backend=backend,
@@ -550,6 +552,7 @@ class TrainerActor:
             world_size=world_size,
             group_name=name,
             timeout_s=self.weight_group_timeout_s,
+            protocol=protocol_name,
         )
         async with asyncio.TaskGroup() as tg:
             joined = tg.create_task(self._call(init, ranks=[0]), name="trainer-bcast-init")
@@ -653,3 +656,23 @@ def _free_port() -> int:
 def _rank_report(exc: BaseException) -> bool:
     """The most telling error of a group: a rank's report (with its traceback), else the first real one."""
     return isinstance(exc, TrainerRankError) and bool(exc.rank_traceback)
+
+
+def _group_protocol(engines: Sequence[object], backend: str) -> str:
+    """How rank 0 forms the group for servers of these engines (`server_info()["engine"]`): vLLM's own
+    NCCL group for vLLM servers, torch.distributed for the rest (SGLang's protocol, which the embedded
+    engine speaks too). A group mixes neither, and vLLM's has no gloo."""
+    vllm = [e == "vllm" for e in engines]
+    if not any(vllm):
+        return "torch"
+    if not all(vllm):
+        raise ConfigError(
+            "one weight-update group cannot hold vLLM and other servers: push to them by disk",
+            flags=["--update-weight-transfer-mode"],
+        )
+    if backend != "nccl":
+        raise ConfigError(
+            "vLLM's weight transfer is NCCL only (a GPU trainer): on a CPU use the disk transfer mode",
+            flags=["--update-weight-transfer-mode", "--rollout-backend"],
+        )
+    return "vllm"

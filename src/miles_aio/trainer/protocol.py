@@ -393,6 +393,9 @@ class BcastInitRequest(Request[BcastReply], frozen=True, tag="bcast_init"):
     world_size: int
     group_name: str
     timeout_s: float
+    protocol: str = "torch"
+    """"torch": SGLang's torch.distributed group (`weight_broadcast`); "vllm": vLLM's own NCCL group
+    (`trainer.vllm_transfer`)."""
 
 
 class BcastBucketRequest(Request[BcastReply], frozen=True, tag="bcast_bucket"):

@@ -79,6 +79,7 @@ from miles_aio.trainer.protocol import (
     WeightsReply,
     reply_to,
 )
+from miles_aio.trainer.vllm_transfer import VLLMWeightGroup
 
 __all__ = ["RankWorker", "main"]
 
@@ -116,7 +117,7 @@ class RankWorker:
             self.backend = HFBackend(cfg, device=self.device, world=world)
         names = [f.name for f in dataclasses.fields(losses.LossSettings)]
         self.settings = losses.LossSettings(**{n: getattr(cfg, n) for n in names})
-        self.weight_group: dist.ProcessGroup | None = None
+        self.weight_group: dist.ProcessGroup | VLLMWeightGroup | None = None
         self.optimizer_steps = 0
 
     def info(self) -> InitReply:
@@ -352,7 +353,18 @@ class RankWorker:
     # mid-collective), not this rank's: rank 0 drops the group and replies `failed`, the controller
     # sends that push by disk instead and forms a new group with the engines present at the next one.
     def bcast_init(self, req: BcastInitRequest) -> BcastReply:
-        if self.rank == 0:
+        if self.rank == 0 and req.protocol == "vllm":
+            self._drop_weight_group()
+            try:
+                self.weight_group = VLLMWeightGroup.join(
+                    master_address=req.master_address,
+                    master_port=req.master_port,
+                    world_size=req.world_size,
+                    device=self.device,
+                )
+            except Exception as exc:  # the engines did not all join: reported, the rank lives on
+                return BcastReply(failed=f"{type(exc).__name__}: {exc}")
+        elif self.rank == 0:
             from miles_aio.weight_broadcast import init_custom_process_group
 
             self._drop_weight_group()
@@ -380,7 +392,11 @@ class RankWorker:
                 return BcastReply(failed="no weight-update group (its rendezvous or a broadcast failed)")
             dev = "cuda" if self.device.type == "cuda" else "cpu"  # nccl broadcasts from GPU memory
             try:
-                broadcast_weights(((n, tensors[n].to(dev)) for n in names), group=self.weight_group)
+                pairs = ((n, tensors[n].to(dev)) for n in names)
+                if isinstance(self.weight_group, VLLMWeightGroup):
+                    self.weight_group.broadcast(pairs)
+                else:
+                    broadcast_weights(pairs, group=self.weight_group)
             except Exception as exc:  # an engine left the collective: reported, the rank lives on
                 self._drop_weight_group()
                 return BcastReply(failed=f"{type(exc).__name__}: {exc}")
@@ -395,7 +411,10 @@ class RankWorker:
         group, self.weight_group = self.weight_group, None
         if group is not None:
             try:
-                dist.destroy_process_group(group)
+                if isinstance(group, VLLMWeightGroup):
+                    group.destroy()
+                else:
+                    dist.destroy_process_group(group)
             except Exception as exc:  # a broken group may not tear down cleanly; it is unused from here on
                 sys.stderr.write(f"rank {self.rank}: dropping the weight-update group: {exc!r}\n")
 
