@@ -184,6 +184,7 @@ class _NcclReceiver:
         shapes: list[list[int]],
         version: int | None = None,
         group_name: str = "",
+        last_bucket: bool = True,
     ) -> None:
         import torch.distributed as dist
 

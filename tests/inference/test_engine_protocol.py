@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import pytest
 
-from miles_aio.inference.base import PauseMode
+from miles_aio.inference.base import GenerateChunk, PauseMode
 from miles_aio.inference.client import SGLangClient
 from miles_aio.inference.vllm import VLLMClient
 from miles_aio.types import GenerateOutput
@@ -160,17 +160,42 @@ def test_generate_stop_and_version_stamps(target: Target) -> None:
             again = await client.generate(input_ids=PROMPT, sampling_params=_greedy(8))
             assert again.weight_versions == [version] * 8
             assert again.output_ids == out.output_ids  # a version stamp changes no weights
+            chunks: list[GenerateChunk] = []
+
+            async def sink(chunk: GenerateChunk) -> None:
+                chunks.append(chunk)
+
+            streamed = await client.generate_stream(
+                input_ids=PROMPT, sampling_params=_greedy(8), on_chunk=sink
+            )
+            assert (streamed.output_ids, streamed.finish_reason) == (out.output_ids, "length")
+            assert streamed.output_log_probs == pytest.approx(out.output_log_probs, abs=1e-4)
+            assert [t for c in chunks for t in c.output_ids] == streamed.output_ids
+            assert [v for c in chunks for v in c.weight_versions] == [version] * 8
             await client.flush_cache()
 
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("mode", ["abort", "retract"])
-def test_pause_mid_generation_keeps_every_tokens_version_exact(target: Target, mode: PauseMode) -> None:
+def test_pause_mid_generation_keeps_every_tokens_version_exact(
+    target: Target, mode: PauseMode, stream: bool
+) -> None:
     """Four generations in flight; pause, stamp a new version, continue: each finishes its whole budget
     (abort: by partial rollout; retract: the engine keeps them), every token tagged with the version
-    that produced it."""
+    that produced it. Streamed, the chunks carry the same versions and join to the output."""
     before = 8_000 + os.getpid() % 1000
+    chunks: dict[int, list[GenerateChunk]] = {i: [] for i in range(4)}
+
+    async def one(client: SGLangClient | VLLMClient, i: int, params: dict[str, Any]) -> GenerateOutput:
+        if not stream:
+            return await client.generate(input_ids=[*PROMPT, i], sampling_params=params)
+
+        async def sink(chunk: GenerateChunk) -> None:
+            chunks[i].append(chunk)
+
+        return await client.generate_stream(input_ids=[*PROMPT, i], sampling_params=params, on_chunk=sink)
 
     async def main() -> list[GenerateOutput]:
         async with target.connect(target.url, partial_rollout=mode == "abort") as client:
@@ -178,10 +203,7 @@ def test_pause_mid_generation_keeps_every_tokens_version_exact(target: Target, m
             params = {"max_new_tokens": BUDGET, "temperature": 1.0, "ignore_eos": True}
             try:
                 async with asyncio.TaskGroup() as tg:
-                    tasks = [
-                        tg.create_task(client.generate(input_ids=[*PROMPT, i], sampling_params=params))
-                        for i in range(4)
-                    ]
+                    tasks = [tg.create_task(one(client, i, params)) for i in range(4)]
                     await asyncio.sleep(0.3)
                     await client.pause_generation(mode)
                     await client.update_weight_version(before + 1)
@@ -193,6 +215,10 @@ def test_pause_mid_generation_keeps_every_tokens_version_exact(target: Target, m
     outs = asyncio.run(main())
     ks = [_check_split(out, before, before + 1, BUDGET) for out in outs]
     assert any(0 < k < BUDGET for k in ks), ks  # the pause landed mid-generation
+    if stream:
+        for i, out in enumerate(outs):
+            assert [t for c in chunks[i] for t in c.output_ids] == out.output_ids
+            assert [v for c in chunks[i] for v in c.weight_versions] == out.weight_versions
 
 
 def test_abort_pause_without_partial_rollout_returns_what_was_made(target: Target) -> None:

@@ -7,12 +7,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import random
+import re
 from typing import Any
 
+import httpx
 import pytest
 
 from miles_aio.errors import EngineBadResponse, EngineUnavailable
-from miles_aio.inference.base import PauseMode
+from miles_aio.inference.base import GenerateChunk, PauseMode
 from miles_aio.inference.client import FlushRefused
 from miles_aio.inference.router import EngineRouter, RouterPolicy
 from miles_aio.inference.vllm import VLLMClient, completion_params, parse_completion
@@ -116,22 +118,32 @@ def test_generate_sends_token_ids_and_reads_the_servers_version() -> None:
 
 
 @pytest.mark.vtime
+@pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("network_latency_s", [0.0, 0.05])
-def test_versions_stay_exact_over_many_pushes_in_every_mode(network_latency_s: float) -> None:
+def test_versions_stay_exact_over_many_pushes_in_every_mode(network_latency_s: float, stream: bool) -> None:
     """Twelve generations and six pushes (random modes); every token's version is the one whose
-    weights made it, also when a request reaches the server only after the pause (a straggler)."""
+    weights made it, also when a request reaches the server only after the pause (a straggler).
+    Streamed (SSE chunks), every chunk carries its tokens' exact versions and the chunks join to the
+    output."""
     rng = random.Random(0)
     fake = FakeVLLMServer(token_latency_s=0.01, network_latency_s=network_latency_s)
     version_of_weights: dict[int, int | None] = {0: None}
+    chunks: dict[int, list[GenerateChunk]] = {i: [] for i in range(12)}
+
+    async def one(client: VLLMClient, i: int, params: dict[str, Any]) -> GenerateOutput:
+        if not stream:
+            return await client.generate(input_ids=[*PROMPT, i], sampling_params=params)
+
+        async def sink(chunk: GenerateChunk) -> None:
+            chunks[i].append(chunk)
+
+        return await client.generate_stream(input_ids=[*PROMPT, i], sampling_params=params, on_chunk=sink)
 
     async def main() -> list[GenerateOutput]:
         async with _client(fake, partial_rollout=True) as client:
             params = {"max_new_tokens": 60, "ignore_eos": True}
             async with asyncio.TaskGroup() as tg:
-                tasks = [
-                    tg.create_task(client.generate(input_ids=[*PROMPT, i], sampling_params=params))
-                    for i in range(12)
-                ]
+                tasks = [tg.create_task(one(client, i, params)) for i in range(12)]
                 for v in range(1, 7):
                     await asyncio.sleep(rng.uniform(0.02, 0.12))
                     mode: PauseMode = rng.choice(["abort", "retract", "in_place"])
@@ -144,10 +156,15 @@ def test_versions_stay_exact_over_many_pushes_in_every_mode(network_latency_s: f
             return [t.result() for t in tasks]
 
     outs = run_virtual(main())
-    for out in outs:
+    for i, out in enumerate(outs):
         assert out.finish_reason == "length"
         assert len(out.output_ids) == 60
         _assert_versions_exact(out, version_of_weights)
+        if stream:
+            assert len(chunks[i]) > 1
+            assert [t for c in chunks[i] for t in c.output_ids] == out.output_ids
+            assert [lp for c in chunks[i] for lp in c.output_log_probs] == out.output_log_probs
+            assert [v for c in chunks[i] for v in c.weight_versions] == out.weight_versions
     assert len({v for out in outs for v in out.weight_versions}) > 2
     assert fake.loaded == [f"/w/v{v}" for v in range(1, 7)]
     assert not fake.requests
@@ -364,10 +381,15 @@ def test_vllm_broadcast_needs_cuda_and_asks_the_servers_for_it(
 
 
 def test_broadcast_push_uses_vllms_transfer_routes_in_order() -> None:
-    """Join: `init_info` as vLLM's worker reads it. Each bucket: start → update (names, dtype_names,
-    shapes) → finish, then the flush and the version stamp; pieces after it carry the new version and
-    the pieces before it the old one (own pause outside a controller pause). Leave: shutdown."""
+    """Join: `init_info` as vLLM's worker reads it. A push of two buckets is ONE vLLM update: start,
+    update (names, dtype_names, shapes) per bucket, finish after the last, then the flush and the
+    version stamp; pieces after it carry the new version and the pieces before it the old one (its own
+    pause, outside a controller pause, spans both buckets). Leave: shutdown."""
     fake = FakeVLLMServer()
+    buckets: list[dict[str, Any]] = [
+        {"names": ["a", "b"], "dtype_names": ["bfloat16", "float32"], "shapes": [[2, 3], [4]]},
+        {"names": ["c"], "dtype_names": ["bfloat16"], "shapes": [[5]]},
+    ]
 
     async def main() -> tuple[GenerateOutput, GenerateOutput]:
         async with _client(fake) as client:
@@ -378,13 +400,16 @@ def test_broadcast_push_uses_vllms_transfer_routes_in_order() -> None:
                 master_address="10.0.0.1", master_port=29555, rank_offsets=[1], world_size=3, group_name="g"
             )
             before = await client.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 5})
-            await push.update_weights_from_distributed(
-                names=["a", "b"],
-                dtypes=["bfloat16", "float32"],
-                shapes=[[2, 3], [4]],
-                version=2,
-                group_name="g",
-            )
+            for k, b in enumerate(buckets):
+                await push.update_weights_from_distributed(
+                    names=b["names"],
+                    dtypes=b["dtype_names"],
+                    shapes=b["shapes"],
+                    version=2,
+                    group_name="g",
+                    last_bucket=k == len(buckets) - 1,
+                )
+                assert fake.updating == (k == 0)  # open between the buckets, finished after the last
             after = await client.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 5})
             await push.destroy_weights_update_group("g")
             return before, after
@@ -395,20 +420,45 @@ def test_broadcast_push_uses_vllms_transfer_routes_in_order() -> None:
     assert init == {
         "master_address": "10.0.0.1", "master_port": 29555, "rank_offset": 1, "world_size": 3, "packed": False
     }  # fmt: skip
-    assert fake.received == [
-        {"names": ["a", "b"], "dtype_names": ["bfloat16", "float32"], "shapes": [[2, 3], [4]]}
-    ]
+    assert fake.received == buckets
     paths = [p for p, _ in fake.calls if p != "/v1/completions"]
     i = paths.index("/start_weight_update")
-    assert paths[i - 1] == "/pause" and paths[i : i + 3] == [
+    assert paths[i - 1] == "/pause"
+    assert paths[i : i + 4] == [
         "/start_weight_update",
+        "/update_weights",
         "/update_weights",
         "/finish_weight_update",
     ]
-    assert paths[i + 3 :].index("/update_weight_version") < paths[i + 3 :].index("/resume")
+    assert paths[i + 4 :].index("/update_weight_version") < paths[i + 4 :].index("/resume")
+    assert fake.weights == 1  # one update
     _assert_versions_exact(before, {0: 1})
     _assert_versions_exact(after, {1: 2})
     assert fake.version == "2"
+
+
+def test_an_update_a_failed_broadcast_left_open_is_finished_before_the_disk_push() -> None:
+    """The trainer's broadcast failed after the first bucket: the push goes by disk, and vLLM's loaders
+    must not stay wrapped for the half-done update, so the reload finishes it first."""
+    fake = FakeVLLMServer()
+
+    async def main() -> None:
+        async with _client(fake) as client:
+            await client.init_weights_update_group(
+                master_address="127.0.0.1", master_port=2, rank_offset=1, world_size=2
+            )
+            await client.pause_generation("retract")
+            await client.update_weights_from_distributed(
+                names=["a"], dtypes=["float32"], shapes=[[1]], version=3, last_bucket=False
+            )
+            assert fake.updating
+            await client.update_weights_from_disk("/w/3", version=3)
+            await client.continue_generation()
+
+    run_virtual(main())
+    paths = [p for p, _ in fake.calls]
+    assert paths.index("/finish_weight_update") < paths.index("/collective_rpc")
+    assert not fake.updating and fake.loaded == ["/w/3"] and fake.version == "3"
 
 
 def test_broadcast_to_vllm_refuses_gloo_and_reports_an_unconfigured_server() -> None:
@@ -449,3 +499,59 @@ def test_the_trainer_forms_vllms_own_group_for_vllm_servers_only() -> None:
     with pytest.raises(ConfigError, match="NCCL only") as e:
         _group_protocol(["vllm"], "gloo")
     assert e.value.flags == ("--update-weight-transfer-mode", "--rollout-backend")
+
+
+def _sse(*events: str) -> bytes:
+    return "".join(f"data: {e}\n\n" for e in events).encode()
+
+
+_ONE_TOKEN = '{"id": "c", "choices": [{"index": 0, "text": "x", "token_ids": [7], "finish_reason": null, "logprobs": {"token_logprobs": [-0.1]}}]}'  # noqa: E501
+_USAGE = '{"id": "c", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}'
+
+
+@pytest.mark.parametrize(
+    ("body", "outcome"),
+    [
+        (_sse(_USAGE, "[DONE]"), "abort"),  # vLLM sends no chunk for a request aborted before its first token
+        (
+            _sse(
+                _ONE_TOKEN,
+                _ONE_TOKEN.replace("null", '"length"').replace("[7]", "[]").replace("[-0.1]", "[]"),
+                "[DONE]",
+            ),
+            "length",
+        ),
+        (_sse(_ONE_TOKEN, "[DONE]"), "[DONE] before a chunk with a finish reason"),
+        (_sse(_ONE_TOKEN), "the stream ended before"),
+        (_sse('{"error": {"message": "boom", "code": 400}}', "[DONE]"), "HTTP 400: boom"),
+        (_sse(_ONE_TOKEN.replace("[-0.1]", "[-0.1, -0.2]")), "1 token_ids but logprobs"),
+    ],
+)
+def test_streamed_answers_are_joined_or_refused(body: bytes, outcome: str) -> None:
+    """What vLLM's SSE stream can end with: an abort with no token, a last chunk with the finish
+    reason, and the broken ones (no finish, no [DONE], an error chunk, mismatched logprobs)."""
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/weight_info":
+            return httpx.Response(200, json={"weight_version": "3"})
+        return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+
+    got: list[GenerateChunk] = []
+
+    async def sink(chunk: GenerateChunk) -> None:
+        got.append(chunk)
+
+    async def main() -> GenerateOutput:
+        async with VLLMClient("http://fake-vllm", transport=httpx.MockTransport(handle)) as client:
+            return await client.generate_stream(
+                input_ids=PROMPT, sampling_params={"max_new_tokens": 4}, on_chunk=sink
+            )
+
+    if outcome in ("abort", "length"):
+        out = run_virtual(main())
+        assert out.finish_reason == outcome
+        assert [t for c in got for t in c.output_ids] == out.output_ids
+        assert all(c.weight_versions == [3] * len(c.output_ids) for c in got)
+    else:
+        with pytest.raises((EngineBadResponse, EngineUnavailable), match=re.escape(outcome)):
+            run_virtual(main())

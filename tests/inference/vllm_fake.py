@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,7 @@ _TRANSFER_ROUTES = frozenset(
 class _Request:
     rid: str
     aborted: bool = False
+    finish: str = "length"
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -164,39 +166,83 @@ class FakeVLLMServer:
         await asyncio.sleep(self.network_latency_s)  # on its way: unknown to /abort_requests until here
         rid = f"cmpl-{body.get('request_id', 'x')}-0"
         req = self.requests[rid] = _Request(rid)
-        prompt: list[int] = body["prompt"]
-        stop_ids = set(body.get("stop_token_ids") or [])
-        ids: list[int] = []
-        finish = "length"
+        if body.get("stream"):
+            return httpx.Response(
+                200, headers={"content-type": "text/event-stream"}, content=self._sse(req, body)
+            )
         try:
-            while len(ids) < body["max_tokens"]:
-                while not self._resumed.is_set() and not req.aborted:  # paused: frozen (or not yet run)
-                    await _first(self._resumed.wait(), req.wake.wait())
-                if req.aborted:
-                    finish = "abort"
-                    break
-                await asyncio.sleep(self.token_latency_s)
-                if _aborted(req):  # aborted during this step: its token is not made
-                    finish = "abort"
-                    break
-                if not self._resumed.is_set():
-                    continue  # paused during this step (keep): the step is redone after the resume
-                token = TOKEN_BASE * self.weights + (len(prompt) + len(ids)) % TOKEN_BASE
-                ids.append(token)
-                if token in stop_ids:
-                    finish = "stop"
-                    break
+            ids = [token async for token in self._tokens(req, body)]
         finally:
             del self.requests[rid]
         choice = {
             "index": 0,
             "text": "x" * len(ids),
             "logprobs": {"token_logprobs": [-0.5] * len(ids), "tokens": ["x"] * len(ids)},
-            "finish_reason": finish,
+            "finish_reason": req.finish,
             "token_ids": ids,
         }
-        usage = {"prompt_tokens": len(prompt), "completion_tokens": len(ids), "prompt_tokens_details": None}
+        usage = {
+            "prompt_tokens": len(body["prompt"]),
+            "completion_tokens": len(ids),
+            "prompt_tokens_details": None,
+        }
         return httpx.Response(200, json={"id": rid, "choices": [choice], "usage": usage})
+
+    async def _sse(self, req: _Request, body: dict[str, Any]) -> AsyncIterator[bytes]:
+        """vLLM's streamed completion: a chunk per token (delta `token_ids`, their logprobs), the finish
+        reason on a last chunk (none at all for a request that made no token), the usage chunk, [DONE]."""
+
+        def event(data: dict[str, Any]) -> bytes:
+            return f"data: {json.dumps(data)}\n\n".encode()
+
+        def chunk(ids: list[int], finish: str | None) -> bytes:
+            lps = {"token_logprobs": [-0.5] * len(ids), "tokens": ["x"] * len(ids)}
+            choice = {
+                "index": 0,
+                "text": "x" * len(ids),
+                "logprobs": lps,
+                "finish_reason": finish,
+                "token_ids": ids,
+            }
+            return event({"id": req.rid, "object": "text_completion", "choices": [choice]})
+
+        made = 0
+        try:
+            async for token in self._tokens(req, body):
+                made += 1
+                yield chunk([token], None)
+        finally:
+            del self.requests[req.rid]
+        if made:
+            yield chunk([], req.finish)
+        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": made, "total_tokens": 0}
+        yield event({"id": req.rid, "choices": [], "usage": usage})
+        yield b"data: [DONE]\n\n"
+
+    async def _tokens(self, req: _Request, body: dict[str, Any]) -> AsyncIterator[int]:
+        """The tokens of one request as the fake makes them; `req.finish` says why it ended."""
+        prompt: list[int] = body["prompt"]
+        stop_ids = set(body.get("stop_token_ids") or [])
+        made = 0
+        req.finish = "length"
+        while made < body["max_tokens"]:
+            while not self._resumed.is_set() and not req.aborted:  # paused: frozen (or not yet run)
+                await _first(self._resumed.wait(), req.wake.wait())
+            if req.aborted:
+                req.finish = "abort"
+                return
+            await asyncio.sleep(self.token_latency_s)
+            if _aborted(req):  # aborted during this step: its token is not made
+                req.finish = "abort"
+                return
+            if not self._resumed.is_set():
+                continue  # paused during this step (keep): the step is redone after the resume
+            token = TOKEN_BASE * self.weights + (len(prompt) + made) % TOKEN_BASE
+            made += 1
+            yield token
+            if token in stop_ids:
+                req.finish = "stop"
+                return
 
 
 def _aborted(req: _Request) -> bool:

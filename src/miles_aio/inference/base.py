@@ -194,8 +194,11 @@ class WeightBroadcast(Protocol):
         shapes: list[list[int]],
         version: int | None = None,
         group_name: str = "weight_update_group",
+        last_bucket: bool = True,
     ) -> None:
-        """The members receive these tensors, broadcast by trainer rank 0 in `names` order."""
+        """The members receive these tensors, broadcast by trainer rank 0 in `names` order. A push of
+        several buckets passes `last_bucket=False` for all but its last: SGLang applies each bucket on
+        its own, vLLM applies the whole push as one update and finishes it on the last."""
         ...
 
 
@@ -223,6 +226,7 @@ class WeightGroupServer(WeightGroupMember, Protocol):
         shapes: list[list[int]],
         version: int | None = None,
         group_name: str = "weight_update_group",
+        last_bucket: bool = True,
     ) -> None: ...
 
 
@@ -279,7 +283,13 @@ class SingleServerBroadcast:
         shapes: list[list[int]],
         version: int | None = None,
         group_name: str = "weight_update_group",
+        last_bucket: bool = True,
     ) -> None:
         await self.server.update_weights_from_distributed(
-            names=names, dtypes=dtypes, shapes=shapes, version=version, group_name=group_name
+            names=names,
+            dtypes=dtypes,
+            shapes=shapes,
+            version=version,
+            group_name=group_name,
+            last_bucket=last_bucket,
         )

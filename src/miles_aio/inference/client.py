@@ -738,8 +738,10 @@ class SGLangClient:
         group_name: str = "weight_update_group",
         flush_cache: bool = True,
         load_format: str | None = None,
+        last_bucket: bool = True,
     ) -> None:
-        """`/update_weights_from_distributed`: receive these tensors by broadcast from trainer rank 0."""
+        """`/update_weights_from_distributed`: receive these tensors by broadcast from trainer rank 0.
+        Each bucket is applied on its own (`last_bucket` changes nothing here)."""
         body = {
             "names": names,
             "dtypes": dtypes,

@@ -139,6 +139,7 @@ class EngineClient(Protocol):
         version: int | None = None,
         group_name: str = "weight_update_group",
         flush_cache: bool = True,
+        last_bucket: bool = True,
     ) -> None: ...
 
     async def destroy_weights_update_group(self, group_name: str) -> None: ...
@@ -793,6 +794,7 @@ class EngineRouter:
         shapes: list[list[int]],
         version: int | None = None,
         group_name: str = "weight_update_group",
+        last_bucket: bool = True,
     ) -> None:
         """The members receive the broadcast tensors (all must take part for the collective to finish)."""
         fault_point("push:broadcast")  # rank 0 sends this bucket meanwhile: the kill is mid-collective
@@ -809,6 +811,7 @@ class EngineRouter:
                 version=version,
                 group_name=group_name,
                 flush_cache=False,  # as in update_weights_from_disk
+                last_bucket=last_bucket,
             ),
         )
 

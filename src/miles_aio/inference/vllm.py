@@ -6,6 +6,7 @@ It speaks vLLM's own routes (read from vLLM 0.32's source; the RL and dev routes
 started with `VLLM_SERVER_DEV_MODE=1`):
 
   generate            POST /v1/completions, `prompt` as token ids, `logprobs: 0`, `return_token_ids`
+                      (`stream: true` for `generate_stream`: SSE chunks of new token ids and logprobs)
   pause / continue    POST /pause?mode=abort|keep&clear_cache=false, POST /resume
   abort               POST /abort_requests {"request_ids": [...]} (vLLM's ids: `cmpl-<request_id>-0`)
   flush               POST /reset_prefix_cache (answers {"success": false} while blocks are held)
@@ -45,9 +46,10 @@ vLLM's native weight-transfer routes, on a server started with `--weight-transfe
 '{"backend": "nccl"}'`: `/init_weight_transfer_engine {"init_info": {master_address, master_port,
 rank_offset, world_size, packed: false}}` while trainer rank 0 opens its end of the group (vLLM's
 `nccl_common.trainer_init`: a StatelessProcessGroup and a PyNccl communicator, so the trainer's
-interpreter needs vllm too); then per bucket `/start_weight_update`, `/update_weights {"update_info":
-{names, dtype_names, shapes}}` while rank 0 broadcasts each tensor in `names` order, and
-`/finish_weight_update`; `/shutdown_weight_transfer_engine` leaves the group. This path has not been run
+interpreter needs vllm too); then one update per push: `/start_weight_update`, per bucket
+`/update_weights {"update_info": {names, dtype_names, shapes}}` while rank 0 broadcasts each tensor in
+`names` order, and after the last `/finish_weight_update`; `/shutdown_weight_transfer_engine` leaves the
+group. This path has not been run
 here (no GPU on the development machine): `tests/gpu` holds its test.
 
 Errors map as in `SGLangClient`: HTTP 5xx, refused/reset connections and timeouts raise
@@ -71,7 +73,7 @@ import structlog
 
 from miles_aio._notify import Notifier
 from miles_aio.errors import EngineBadResponse, EngineError, EngineUnavailable
-from miles_aio.inference.base import PauseMode, SingleServerBroadcast
+from miles_aio.inference.base import ChunkSink, GenerateChunk, PauseMode, SingleServerBroadcast
 from miles_aio.inference.client import AiohttpTransport, ClientTimeouts, FlushRefused
 from miles_aio.inference.wire import (
     SGLANG_DEFAULT_MAX_NEW_TOKENS,
@@ -135,6 +137,12 @@ class _State(enum.Enum):
     CLOSED = "closed"
 
 
+@dataclass(frozen=True, slots=True)
+class _Transfer:
+    own_pause: bool
+    """The update paused generation itself (it came outside a pause) and resumes it when it ends."""
+
+
 @dataclass(eq=False, slots=True)
 class _Piece:
     """One `/v1/completions` request in flight: part of a generation, all of it from one weight version."""
@@ -189,6 +197,8 @@ class VLLMClient:
         """Notified whenever a piece ends (continue_generation waits for the stale ones)."""
         self.continuations = 0
         """How many pieces this client sent to continue a generation split at a pause."""
+        self._transfer: _Transfer | None = None
+        """The weight update by broadcast in progress (its first bucket came, its last not yet)."""
 
     async def __aenter__(self) -> VLLMClient:
         return self
@@ -255,6 +265,25 @@ class VLLMClient:
         split by a retract/in_place pause is always continued; one split by an abort pause only with
         partial rollout (else the aborted output is returned). `routing_key` is not used (one server).
         """
+        return await self._generate(input_ids, sampling_params, None)
+
+    async def generate_stream(
+        self,
+        *,
+        input_ids: list[int],
+        sampling_params: Mapping[str, Any],
+        on_chunk: ChunkSink,
+        routing_key: Hashable | None = None,
+    ) -> GenerateOutput:
+        """`generate` over vLLM's streaming completions (`stream: true`: SSE chunks, each with its new
+        `token_ids` and their logprobs), awaiting `on_chunk` with every chunk's new tokens, stamped with
+        their piece's version (`base.StreamingEngine`). A piece split at a pause streams on in the next
+        piece; the result is what `generate` returns for the same generation."""
+        return await self._generate(input_ids, sampling_params, on_chunk)
+
+    async def _generate(
+        self, input_ids: list[int], sampling_params: Mapping[str, Any], on_chunk: ChunkSink | None
+    ) -> GenerateOutput:
         params = completion_params(sampling_params)
         max_new = int(params["max_tokens"])
         min_new = params.get("min_tokens")
@@ -272,7 +301,7 @@ class VLLMClient:
                 piece_params["min_tokens"] = max(0, min_new - len(produced))
             if pieces:
                 self.continuations += 1
-            out, split_by = await self._piece(input_ids + produced, piece_params)
+            out, split_by = await self._piece(input_ids + produced, piece_params, on_chunk)
             pieces.append(out)
             produced.extend(out.output_ids)
             if out.finish_reason != "abort" or split_by is None or len(produced) >= max_new:
@@ -283,10 +312,10 @@ class VLLMClient:
         return pieces[0] if len(pieces) == 1 else join_pieces(pieces, max_new_tokens=max_new)
 
     async def _piece(
-        self, prompt: list[int], params: Mapping[str, Any]
+        self, prompt: list[int], params: Mapping[str, Any], on_chunk: ChunkSink | None
     ) -> tuple[GenerateOutput, PauseMode | None]:
-        """One `/v1/completions` call, stamped with the version current now; also says which pause (if
-        any) came while it was in flight."""
+        """One `/v1/completions` call (streamed to `on_chunk` if given), stamped with the version current
+        now; also says which pause (if any) came while it was in flight."""
         rid = f"{self._rid_prefix}-{next(self._rid_counter)}"
         piece = _Piece(request_id=f"cmpl-{rid}-0", epoch=self._epoch)
         version = self._version
@@ -297,11 +326,18 @@ class VLLMClient:
             "logprobs": 0,
             "return_token_ids": True,
             "request_id": rid,
-            "stream": False,
+            "stream": on_chunk is not None,
         }
         where = f"{self.url}/v1/completions request_id={rid}"
         try:
-            answer = await self._call("POST", "/v1/completions", body=body, timeout_s=self._generate_s())
+            if on_chunk is None:
+                answer = decode_json_object(
+                    await self._call("POST", "/v1/completions", body=body, timeout_s=self._generate_s()),
+                    where,
+                )
+            else:
+                body["stream_options"] = {"include_usage": True}
+                answer = await self._stream(body, where, version, on_chunk)
         except EngineUnavailable as e:
             if isinstance(e.__cause__, httpx.TimeoutException):  # the server may still be generating
                 with contextlib.suppress(EngineError):
@@ -310,12 +346,40 @@ class VLLMClient:
         finally:
             del self._pieces[rid]
             self._changed.notify()
-        out = parse_completion(decode_json_object(answer, where), version=version, where=where)
+        out = parse_completion(answer, version=version, where=where)
         if len(out.output_ids) > int(params["max_tokens"]):
             raise EngineBadResponse(
                 f"{where}: {len(out.output_ids)} tokens for max_tokens={params['max_tokens']}"
             )
         return out, piece.split_by
+
+    async def _stream(
+        self, body: Mapping[str, Any], where: str, version: int | None, on_chunk: ChunkSink
+    ) -> dict[str, Any]:
+        """POST a streaming completion and read its SSE chunks to `[DONE]`; every chunk's new tokens go to
+        `on_chunk` as they arrive. Returns the chunks joined into the non-streaming answer's shape (for
+        `parse_completion`). Errors map as in `_call`; an error chunk raises, and so does a stream that
+        ends without its finish reason."""
+        self._check_open()
+        t = httpx.Timeout(self._generate_s(), connect=self._timeouts.connect_s, pool=self._timeouts.connect_s)
+        joined = _StreamedCompletion(where)
+        try:
+            async with self._http.stream("POST", "/v1/completions", json=body, timeout=t) as resp:
+                if resp.status_code >= 400:
+                    raise http_error(where, resp.status_code, await resp.aread())
+                buffer = b""
+                async for piece in resp.aiter_bytes():
+                    buffer += piece
+                    *events, buffer = buffer.split(b"\n\n")
+                    for event in events:
+                        ids, lps = joined.add(event)
+                        if ids:
+                            await on_chunk(GenerateChunk(ids, lps, [version] * len(ids)))
+                        if joined.done:
+                            return joined.answer()
+        except httpx.TransportError as e:
+            raise transport_error(where, e, lost="connection lost") from e
+        raise EngineUnavailable(f"{where}: the stream ended before [DONE]")
 
     def _generate_s(self) -> float:
         return 10.0**9 if self._timeouts.generate_s is None else self._timeouts.generate_s
@@ -381,6 +445,7 @@ class VLLMClient:
         """Reload the weights in place from `model_path` (an HF model dir: vLLM's `reload_weights` worker
         method through `/collective_rpc`), optionally flush the prefix cache, then stamp `version`.
         Outside a pause it pauses (retract) around the load itself, so no piece spans it."""
+        await self._end_open_transfer()
         own_pause = self._paused is None
         if own_pause:
             await self.pause_generation("retract")
@@ -409,6 +474,7 @@ class VLLMClient:
         server); any backend but nccl is refused here, before the server is asked."""
         if backend != "nccl":
             raise EngineBadResponse(f"{self.url}: {_NCCL_ONLY} (asked for {backend})")
+        await self._end_open_transfer()
         init_info = {
             "master_address": master_address,
             "master_port": master_port,
@@ -432,29 +498,53 @@ class VLLMClient:
         version: int | None = None,
         group_name: str = "weight_update_group",
         flush_cache: bool = True,
+        last_bucket: bool = True,
     ) -> None:
-        """Receive these tensors by NCCL broadcast from trainer rank 0 (start, update, finish), optionally
-        flush the prefix cache, then stamp `version`. Outside a pause it pauses (retract) around the
-        update, so no piece spans it (as `update_weights_from_disk`)."""
-        own_pause = self._paused is None
-        if own_pause:
-            await self.pause_generation("retract")
-        try:
-            admin = self._timeouts.admin_s
+        """Receive one bucket by NCCL broadcast from trainer rank 0 (`/update_weights`). vLLM applies a
+        push as ONE update (a fused layer, e.g. qkv_proj, may take its parts from two buckets), so the
+        push's first bucket starts it (`/start_weight_update`) and its last finishes it
+        (`/finish_weight_update`), then flushes the prefix cache if asked and stamps `version`. Outside a
+        pause it pauses (retract) from the first bucket to the last, so no piece spans the update."""
+        admin = self._timeouts.admin_s
+        if self._transfer is None:
+            own_pause = self._paused is None
+            if own_pause:
+                await self.pause_generation("retract")
+            self._transfer = _Transfer(own_pause)
             await self._call("POST", "/start_weight_update", timeout_s=admin)
-            update_info = {"names": names, "dtype_names": dtypes, "shapes": shapes}
-            await self._call("POST", "/update_weights", body={"update_info": update_info}, timeout_s=admin)
-            await self._call("POST", "/finish_weight_update", body={}, timeout_s=admin)
+        update_info = {"names": names, "dtype_names": dtypes, "shapes": shapes}
+        await self._call("POST", "/update_weights", body={"update_info": update_info}, timeout_s=admin)
+        if last_bucket:
+            await self._finish_transfer(flush_cache=flush_cache, version=version)
+
+    async def _finish_transfer(self, *, flush_cache: bool = False, version: int | None = None) -> None:
+        """End the update the first bucket started (also after a failed one: vLLM refuses to leave the
+        group during an update); resume generation if the update paused it."""
+        transfer, self._transfer = self._transfer, None
+        if transfer is None:
+            return
+        try:
+            await self._call("POST", "/finish_weight_update", body={}, timeout_s=self._timeouts.admin_s)
             if flush_cache:
                 await self.flush_cache()
             if version is not None:
                 await self.update_weight_version(version)
         finally:
-            if own_pause:
+            if transfer.own_pause:
                 await self.continue_generation()
 
+    async def _end_open_transfer(self) -> None:
+        """Finish an update a failed broadcast left open (the trainer then sends that push by disk and
+        forms a new group): vLLM's loaders stay wrapped for the update until it is finished."""
+        if self._transfer is not None:
+            _log.warning("vllm_weight_update_left_open", url=self.url)
+            with contextlib.suppress(EngineError):  # a broken group's update may not finish cleanly
+                await self._finish_transfer()
+
     async def destroy_weights_update_group(self, group_name: str) -> None:
-        """`/shutdown_weight_transfer_engine`: leave the trainer's NCCL group."""
+        """`/shutdown_weight_transfer_engine`: leave the trainer's NCCL group (ending an update a failed
+        broadcast left open first)."""
+        await self._end_open_transfer()
         await self._call("POST", "/shutdown_weight_transfer_engine", timeout_s=self._timeouts.admin_s)
 
     def weight_broadcast(self) -> SingleServerBroadcast:
@@ -510,6 +600,77 @@ _NCCL_ONLY: Final = (
     "vLLM's weight transfer is NCCL only (GPU trainer and servers); on a CPU use "
     "--update-weight-transfer-mode disk"
 )
+
+
+class _StreamedCompletion:
+    """The SSE events of one streaming completion, joined: each `data:` chunk's `token_ids`, logprobs and
+    text are deltas; its `finish_reason` ends the choice; the usage chunk (`include_usage`) has no
+    choices; `[DONE]` ends the stream. Malformed chunks raise EngineBadResponse, error chunks the error."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.done = False
+        self.ids: list[int] = []
+        self.lps: list[object] = []
+        self.text: list[str] = []
+        self.finish: object = None
+        self.usage: object = None
+        self.id: object = None
+
+    def add(self, event: bytes) -> tuple[list[int], list[float]]:
+        """Take one SSE event; returns its new token ids and their logprobs (validated)."""
+        lines = [line[5:].strip() for line in event.splitlines() if line.startswith(b"data:")]
+        if not lines:
+            return [], []  # a comment or keep-alive
+        data = b"\n".join(lines)
+        if data == b"[DONE]":
+            if self.finish is None and not self.ids:
+                # vLLM sends no chunk for a request that ends with no token: only an abort does that
+                self.finish = "abort"
+            elif self.finish is None:
+                raise EngineBadResponse(f"{self.where}: [DONE] before a chunk with a finish reason")
+            self.done = True
+            return [], []
+        chunk = decode_json_object(data, self.where)
+        if (error := chunk.get("error")) is not None:
+            code = error.get("code") if isinstance(error, dict) else None
+            raise http_error(self.where, code if type(code) is int else 500, data)
+        self.id = chunk.get("id", self.id)
+        if chunk.get("usage") is not None:
+            self.usage = chunk["usage"]
+        choices = chunk.get("choices")
+        if choices == []:
+            return [], []  # the usage chunk
+        if type(choices) is not list or len(choices) != 1 or type(choices[0]) is not dict:
+            raise EngineBadResponse(f"{self.where}: expected one choice per chunk, got {str(choices)[:80]}")
+        choice: dict[str, Any] = choices[0]
+        ids = choice.get("token_ids") or []
+        logprobs = choice.get("logprobs")
+        lps = (logprobs.get("token_logprobs") if type(logprobs) is dict else None) or []
+        if type(ids) is not list or not all(type(t) is int and t >= 0 for t in ids):
+            raise EngineBadResponse(f"{self.where}: token_ids must be a list of token ids (return_token_ids)")
+        if type(lps) is not list or len(lps) != len(ids):
+            raise EngineBadResponse(f"{self.where}: {len(ids)} token_ids but logprobs {str(lps)[:80]}")
+        if not all(type(lp) in (float, int) and lp <= 0.0 for lp in lps):
+            raise EngineBadResponse(f"{self.where}: token_logprobs must be numbers <= 0")
+        if type(text := choice.get("text", "")) is str:
+            self.text.append(text)
+        if choice.get("finish_reason") is not None:
+            self.finish = choice["finish_reason"]
+        self.ids.extend(ids)
+        self.lps.extend(lps)
+        return ids, [float(lp) for lp in lps]
+
+    def answer(self) -> dict[str, Any]:
+        """The joined chunks in the non-streaming answer's shape."""
+        choice = {
+            "index": 0,
+            "text": "".join(self.text),
+            "token_ids": self.ids,
+            "logprobs": {"token_logprobs": self.lps},
+            "finish_reason": self.finish,
+        }
+        return {"id": self.id, "choices": [choice], "usage": self.usage}
 
 
 def parse_completion(body: Mapping[str, Any], *, version: int | None, where: str) -> GenerateOutput:

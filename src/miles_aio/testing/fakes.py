@@ -526,6 +526,7 @@ class FakeLatencyEngine(InferenceEngine):
         version: int | None = None,
         group_name: str = "weight_update_group",
         flush_cache: bool = True,
+        last_bucket: bool = True,
     ) -> None:
         await self._admin("update_weights_from_distributed")
         self.calls.append(f"broadcast:{group_name}")

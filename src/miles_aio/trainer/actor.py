@@ -494,7 +494,7 @@ class TrainerActor:
                 return
         assert self._bcast is not None
         group = self._bcast
-        for names in group.buckets:
+        for i, names in enumerate(group.buckets):
             async with asyncio.TaskGroup() as tg:
                 sent = tg.create_task(
                     self._call(BcastBucketRequest(names=names)), name="trainer-bcast-bucket"
@@ -506,6 +506,7 @@ class TrainerActor:
                         shapes=[group.info[n][1] for n in names],
                         version=version,
                         group_name=group.name,
+                        last_bucket=i == len(group.buckets) - 1,
                     ),
                     name="trainer-bcast-engines-receive",
                 )
