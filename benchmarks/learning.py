@@ -253,6 +253,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     seeds = [int(s) for s in a.seeds.split(",") if s]
     arms = [x for x in a.arms.split(",") if x]
+    if "bare" in arms and a.recipe != "quickstart":  # its numbers would look like a result
+        p.error(f"--arms bare is quickstart only: benchmarks.bare_grpo has no {a.recipe} rollout")
     for arm in arms:
         if arm != "bare":
             arm_flags(arm)  # unknown arms fail before anything runs

@@ -1,10 +1,13 @@
 """Soak: 10,000 samples in flight for a bounded time — memory stays flat, the event loop stays responsive.
 
-    python -m benchmarks.soak [--seconds 120] [--output bench-results/soak.json]
+    python -m benchmarks.soak [--seconds 120] [--groups 1000] [--median-s 8] [--p99-s 30]
+                              [--output bench-results/soak.json]
+    python -m benchmarks.soak --seconds 600 --groups 5000 --median-s 40 --p99-s 120   # 50,000 in flight
 
 The real controller (scheduler, pool, buffer, driver, ledger) runs in real time against the FAKE latency
-engine (no model) and the FAKE trainer: 1,000 groups × 10 samples are kept in flight, each request
-lasting 8 s (median) to 30 s (p99), i.e. ~1,000 requests per second. A monitor task samples, every
+engine (no model) and the FAKE trainer: `--groups` groups × 10 samples are kept in flight, each request
+lasting `--median-s` (median) to `--p99-s` (p99) seconds; the defaults, 1,000 groups of 8 s to 30 s,
+are ~1,000 requests per second (in flight / mean latency, Little's law). A monitor task samples, every
 100 ms, the event loop's lag (how late a 10 ms sleep wakes up) and the process's resident memory.
 Reported: loop lag p50/p99/max, and RSS at the end vs after warm-up (the first third of the run), as
 a ratio, plus RSS every 10 s and the garbage collector's pauses by generation (count, total, longest:
@@ -41,6 +44,7 @@ from miles_aio.plugins import resolve_plugins
 from miles_aio.testing import FakeLatencyEngine, FakeTokenizer, FakeTrainer, LogNormalLatency
 
 GROUPS, N = 1000, 10
+"""The default load: groups in flight, samples per group."""
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -81,29 +85,35 @@ class GcPauses:
         }
 
 
-async def soak(seconds: float, run_dir: Path) -> dict[str, object]:
+async def soak(
+    seconds: float, run_dir: Path, *, groups: int = GROUPS, median_s: float = 8.0, p99_s: float = 30.0
+) -> dict[str, object]:
+    base_mib = rss_mib()  # before the controller and its samples exist
     cfg = RunConfig(
         data=DataConfig(),
         rollout=RolloutConfig(
-            rollout_batch_size=GROUPS,
+            rollout_batch_size=groups,
             n_samples_per_prompt=N,
             rollout_max_response_len=64,
             custom_rm_path="benchmarks.pipeline:reward",
             sglang_server_concurrency=100_000,
         ),
-        scheduler=SchedulerConfig(async_max_concurrent_samples=GROUPS * N),
+        scheduler=SchedulerConfig(async_max_concurrent_samples=groups * N),
         buffer=BufferConfig(async_data_buffer_capacity_factor=1.0),
         driver=DriverConfig(num_rollout=10**6),
         train=TrainConfig(use_tis=True),
         run_dir=run_dir,
     )
-    engine = FakeLatencyEngine(LogNormalLatency(8.0, 30.0), tokens_per_s=4)  # ~1,000 requests/s
+    engine = FakeLatencyEngine(LogNormalLatency(median_s, p99_s), tokens_per_s=4)
     controller = Controller(
         cfg,
         engine=engine,
         trainer=FakeTrainer(step_time_s=0.5, keep_batches=False),
         source=DataSource(
-            [PromptRecord(f"p{i}") for i in range(100_000)], n_samples_per_prompt=N, seed=0, shuffle=False
+            [PromptRecord(f"p{i}") for i in range(max(100_000, 20 * groups))],
+            n_samples_per_prompt=N,
+            seed=0,
+            shuffle=False,
         ),
         plugins=resolve_plugins(cfg),
         tokenizer=FakeTokenizer(),
@@ -129,6 +139,8 @@ async def soak(seconds: float, run_dir: Path) -> dict[str, object]:
     return {
         "seconds": seconds,
         "steps": summary.steps,
+        "groups": groups,
+        "latency_s": {"median": median_s, "p99": p99_s},
         "max_in_flight_requests": engine.max_in_flight,
         "requests": engine.requests,
         "loop_lag_ms": {"p50": round(q[49], 3), "p99": round(q[98], 3), "max": round(max(lags) * 1000, 3)},
@@ -137,6 +149,12 @@ async def soak(seconds: float, run_dir: Path) -> dict[str, object]:
             "end": round(warm[-1], 1),
             "ratio_end_to_warmup": round(warm[-1] / warm[0], 4),
             "max": round(max(m for _, m in rss), 1),
+            "before_start": round(base_mib, 1),
+            # what the run added at its end, per request in flight at the peak (with its sample and
+            # the finished samples buffered meanwhile): an upper bound of one request's memory
+            "kib_per_in_flight_request": round(
+                (warm[-1] - base_mib) * 1024 / max(engine.max_in_flight, 1), 2
+            ),
             "every_10s": [round(next(m for t, m in rss if t >= k), 1) for k in range(0, int(rss[-1][0]), 10)],
         },
         "gc_pauses": pauses.report(),
@@ -148,12 +166,23 @@ def main() -> None:
     parser.add_argument(
         "--seconds", type=float, default=120.0, help="run time (RSS is compared from its first third on)"
     )
+    parser.add_argument(
+        "--groups", type=int, default=GROUPS, help=f"groups of {N} in flight (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--median-s", type=float, default=8.0, help="request latency median (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--p99-s", type=float, default=30.0, help="request latency p99 (default: %(default)s)"
+    )
     parser.add_argument("--output", type=Path, default=Path("bench-results/soak.json"))
     args = parser.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        result = asyncio.run(soak(args.seconds, Path(tmp)))
+        result = asyncio.run(
+            soak(args.seconds, Path(tmp), groups=args.groups, median_s=args.median_s, p99_s=args.p99_s)
+        )
     result |= {
         "benchmark": "soak",
         "wall_s": round(time.perf_counter() - t0, 1),

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import bare_grpo
+from benchmarks import bare_grpo, learning
 from benchmarks.learning import Result, arm_flags, read_run, summarize
 from miles_aio.models.tiny import build_tiny_llama
 from miles_aio.tasks.arithmetic import ALPHABET
@@ -127,3 +127,12 @@ def test_the_bare_loops_cached_decoding_equals_full_recompute(tmp_path: Path) ->
     rows = bare_grpo._until_eos(cached, tok.eos_token_id)
     answers = [tok.decode([t for t in r if t != tok.eos_token_id]) for r in rows]
     assert answers == greedy_solve(model, tok, problems)
+
+
+def test_the_bare_arm_is_refused_for_a_recipe_it_cannot_run(capsys: pytest.CaptureFixture[str]) -> None:
+    """The bare loop is single-turn arithmetic: on tool_use's model (trained to call the calculator) it
+    scores near 0, a figure that would read as a result."""
+    with pytest.raises(SystemExit) as e:
+        learning.main(["--recipe", "tool_use", "--arms", "async,bare"])
+    assert e.value.code == 2
+    assert "quickstart only" in capsys.readouterr().err
