@@ -59,7 +59,7 @@ from miles_aio.inference.wire import (
 )
 from miles_aio.types import GenerateOutput
 
-__all__ = ["AiohttpTransport", "ClientTimeouts", "FlushRefused", "SGLangClient"]
+__all__ = ["AiohttpTransport", "BodyStream", "ClientTimeouts", "FlushRefused", "SGLangClient", "read_all"]
 
 _log = structlog.get_logger(__name__)
 
@@ -609,7 +609,7 @@ class SGLangClient:
             raise transport_error(where, e) from e
         try:
             if stream.status >= 400:
-                raise http_error(where, stream.status, await _read_all(stream))
+                raise http_error(where, stream.status, await read_all(stream))
             decoder, buffer = StreamDecoder(where), b""
             while True:
                 try:
@@ -798,7 +798,7 @@ class SGLangClient:
         return parse_wire_version(info.get("weight_version"), where)
 
 
-async def _read_all(stream: BodyStream) -> bytes:
+async def read_all(stream: BodyStream) -> bytes:
     body = b""
     while piece := await stream.read():
         body += piece

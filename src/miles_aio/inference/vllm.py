@@ -74,10 +74,11 @@ import structlog
 from miles_aio._notify import Notifier
 from miles_aio.errors import EngineBadResponse, EngineError, EngineUnavailable
 from miles_aio.inference.base import ChunkSink, GenerateChunk, PauseMode, SingleServerBroadcast
-from miles_aio.inference.client import AiohttpTransport, ClientTimeouts, FlushRefused
+from miles_aio.inference.client import AiohttpTransport, BodyStream, ClientTimeouts, FlushRefused, read_all
 from miles_aio.inference.wire import (
     SGLANG_DEFAULT_MAX_NEW_TOKENS,
     decode_json_object,
+    encode_json,
     http_error,
     join_pieces,
     parse_wire_version,
@@ -174,10 +175,14 @@ class VLLMClient:
         self.url: Final = url.rstrip("/")
         self.partial_rollout: Final = partial_rollout
         self._timeouts = timeouts or ClientTimeouts()
+        self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._transport = transport or AiohttpTransport(
+            max_connections=max_connections, keepalive_expiry_s=2.0
+        )
         self._http = httpx.AsyncClient(
             base_url=self.url,
-            headers={"Authorization": f"Bearer {api_key}"} if api_key else {},
-            transport=transport or AiohttpTransport(max_connections=max_connections, keepalive_expiry_s=2.0),
+            headers=self._auth,
+            transport=self._transport,
             trust_env=False,  # loopback and cluster URLs must never go through an HTTP(S)_PROXY
         )
         self._rid_prefix = uuid.uuid4().hex
@@ -292,6 +297,8 @@ class VLLMClient:
         while True:
             await self._resumed.wait()
             self._check_open()
+            if not self._resumed.is_set():
+                continue  # paused again since this wait was woken (a resume then a pause, no await between)
             if not self._version_known:
                 await self.weight_version()
                 continue  # a pause may have started meanwhile: wait for the gate again
@@ -361,25 +368,54 @@ class VLLMClient:
         `parse_completion`). Errors map as in `_call`; an error chunk raises, and so does a stream that
         ends without its finish reason."""
         self._check_open()
-        t = httpx.Timeout(self._generate_s(), connect=self._timeouts.connect_s, pool=self._timeouts.connect_s)
         joined = _StreamedCompletion(where)
         try:
-            async with self._http.stream("POST", "/v1/completions", json=body, timeout=t) as resp:
-                if resp.status_code >= 400:
-                    raise http_error(where, resp.status_code, await resp.aread())
-                buffer = b""
-                async for piece in resp.aiter_bytes():
-                    buffer += piece
-                    *events, buffer = buffer.split(b"\n\n")
-                    for event in events:
-                        ids, lps = joined.add(event)
-                        if ids:
-                            await on_chunk(GenerateChunk(ids, lps, [version] * len(ids)))
-                        if joined.done:
-                            return joined.answer()
+            stream = await self._open_stream(encode_json(body))
+        except httpx.TransportError as e:
+            raise transport_error(where, e) from e
+        try:
+            if stream.status >= 400:
+                raise http_error(where, stream.status, await read_all(stream))
+            buffer = b""
+            while piece := await stream.read():  # as it arrives: AiohttpTransport.open_stream reads no ahead
+                buffer += piece.replace(b"\r\n", b"\n")
+                *events, buffer = buffer.split(b"\n\n")
+                for event in events:
+                    ids, lps = joined.add(event)
+                    if ids:
+                        await on_chunk(GenerateChunk(ids, lps, [version] * len(ids)))
+                    if joined.done:
+                        return joined.answer()
         except httpx.TransportError as e:
             raise transport_error(where, e, lost="connection lost") from e
+        finally:
+            await stream.aclose()
         raise EngineUnavailable(f"{where}: the stream ended before [DONE]")
+
+    async def _open_stream(self, content: bytes) -> BodyStream:
+        """POST a streaming completion; its body is read as it arrives (the default transport's
+        `open_stream`, or any httpx transport's raw stream: the tests' fake)."""
+        headers = {"Content-Type": "application/json", **self._auth}
+        deadlines = {"connect": self._timeouts.connect_s, "total": self._generate_s()}
+        if isinstance(self._transport, AiohttpTransport):
+            return await self._transport.open_stream(
+                "POST", f"{self.url}/v1/completions", content=content, headers=headers, deadlines_s=deadlines
+            )
+        c, g = self._timeouts.connect_s, self._generate_s()
+        request = httpx.Request(
+            "POST",
+            f"{self.url}/v1/completions",
+            headers=headers,
+            content=content,
+            extensions={"timeout": {"connect": c, "pool": c, "read": g, "write": g}},
+        )
+        resp = await self._transport.handle_async_request(request)
+        pieces = resp.aiter_bytes()  # not aiter_raw: a fake's bytes body counts as already consumed
+
+        async def read() -> bytes:
+            return await anext(pieces, b"")
+
+        return BodyStream(resp.status_code, read, resp.aclose)
 
     def _generate_s(self) -> float:
         return 10.0**9 if self._timeouts.generate_s is None else self._timeouts.generate_s
