@@ -202,9 +202,20 @@ def test_pause_mid_generation_keeps_every_tokens_version_exact(
             await client.update_weight_version(before)
             params = {"max_new_tokens": BUDGET, "temperature": 1.0, "ignore_eos": True}
             try:
+                started = asyncio.Event()
+
+                async def probe(chunk: GenerateChunk) -> None:
+                    started.set()
+
                 async with asyncio.TaskGroup() as tg:
                     tasks = [tg.create_task(one(client, i, params)) for i in range(4)]
-                    await asyncio.sleep(0.3)
+                    # A fifth, streamed generation says when decoding has begun: a fixed sleep came
+                    # after all 240 tokens on a quiet machine and before the first on a loaded one.
+                    tg.create_task(
+                        client.generate_stream(input_ids=[*PROMPT, 9], sampling_params=params, on_chunk=probe)
+                    )
+                    await started.wait()
+                    await asyncio.sleep(0.02)
                     await client.pause_generation(mode)
                     await client.update_weight_version(before + 1)
                     await client.continue_generation()
