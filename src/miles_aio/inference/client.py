@@ -59,7 +59,15 @@ from miles_aio.inference.wire import (
 )
 from miles_aio.types import GenerateOutput
 
-__all__ = ["AiohttpTransport", "BodyStream", "ClientTimeouts", "FlushRefused", "SGLangClient", "read_all"]
+__all__ = [
+    "AiohttpTransport",
+    "BodyStream",
+    "ClientTimeouts",
+    "FlushRefused",
+    "SGLangClient",
+    "open_body_stream",
+    "read_all",
+]
 
 _log = structlog.get_logger(__name__)
 
@@ -635,24 +643,14 @@ class SGLangClient:
             await stream.aclose()
 
     async def _open_stream(self, content: bytes, headers: dict[str, str]) -> BodyStream:
-        if isinstance(self._transport, AiohttpTransport):
-            return await self._transport.open_stream(
-                "POST", self._generate_url, content=content, headers=headers, deadlines_s=self._gen_deadlines
-            )
-        request = httpx.Request(
-            "POST",
+        return await open_body_stream(
+            self._transport,
             self._generate_url,
-            headers=headers,
             content=content,
-            extensions={"timeout": self._gen_httpx_timeout},
+            headers=headers,
+            deadlines_s=self._gen_deadlines,
+            httpx_timeout=self._gen_httpx_timeout,
         )
-        resp = await self._transport.handle_async_request(request)
-        pieces = resp.aiter_raw()
-
-        async def read() -> bytes:
-            return await anext(pieces, b"")
-
-        return BodyStream(resp.status_code, read, resp.aclose)
 
     # ---- control plane -------------------------------------------------------------------------------
 
@@ -796,6 +794,33 @@ class SGLangClient:
             answer = await self._request("GET", "/get_weight_version", timeout_s=self._timeouts.health_s)
             info = decode_json_object(answer, where)
         return parse_wire_version(info.get("weight_version"), where)
+
+
+async def open_body_stream(
+    transport: httpx.AsyncBaseTransport,
+    url: str,
+    *,
+    content: bytes,
+    headers: Mapping[str, str],
+    deadlines_s: Mapping[str, float | None],
+    httpx_timeout: Mapping[str, float | None],
+) -> BodyStream:
+    """POST `content` to `url`; the answer's body is read as it arrives: `AiohttpTransport.open_stream`
+    (`deadlines_s`), or any other httpx transport's response stream (`httpx_timeout`: the tests' fakes)."""
+    if isinstance(transport, AiohttpTransport):
+        return await transport.open_stream(
+            "POST", url, content=content, headers=headers, deadlines_s=deadlines_s
+        )
+    request = httpx.Request(
+        "POST", url, headers=headers, content=content, extensions={"timeout": httpx_timeout}
+    )
+    resp = await transport.handle_async_request(request)
+    pieces = resp.aiter_bytes()  # not aiter_raw: a fake's bytes body counts as already consumed
+
+    async def read() -> bytes:
+        return await anext(pieces, b"")
+
+    return BodyStream(resp.status_code, read, resp.aclose)
 
 
 async def read_all(stream: BodyStream) -> bytes:

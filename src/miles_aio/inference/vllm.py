@@ -74,7 +74,14 @@ import structlog
 from miles_aio._notify import Notifier
 from miles_aio.errors import EngineBadResponse, EngineError, EngineUnavailable
 from miles_aio.inference.base import ChunkSink, GenerateChunk, PauseMode, SingleServerBroadcast
-from miles_aio.inference.client import AiohttpTransport, BodyStream, ClientTimeouts, FlushRefused, read_all
+from miles_aio.inference.client import (
+    AiohttpTransport,
+    BodyStream,
+    ClientTimeouts,
+    FlushRefused,
+    open_body_stream,
+    read_all,
+)
 from miles_aio.inference.wire import (
     SGLANG_DEFAULT_MAX_NEW_TOKENS,
     decode_json_object,
@@ -393,29 +400,16 @@ class VLLMClient:
         raise EngineUnavailable(f"{where}: the stream ended before [DONE]")
 
     async def _open_stream(self, content: bytes) -> BodyStream:
-        """POST a streaming completion; its body is read as it arrives (the default transport's
-        `open_stream`, or any httpx transport's raw stream: the tests' fake)."""
-        headers = {"Content-Type": "application/json", **self._auth}
-        deadlines = {"connect": self._timeouts.connect_s, "total": self._generate_s()}
-        if isinstance(self._transport, AiohttpTransport):
-            return await self._transport.open_stream(
-                "POST", f"{self.url}/v1/completions", content=content, headers=headers, deadlines_s=deadlines
-            )
+        """POST a streaming completion; its body is read as it arrives."""
         c, g = self._timeouts.connect_s, self._generate_s()
-        request = httpx.Request(
-            "POST",
+        return await open_body_stream(
+            self._transport,
             f"{self.url}/v1/completions",
-            headers=headers,
             content=content,
-            extensions={"timeout": {"connect": c, "pool": c, "read": g, "write": g}},
+            headers={"Content-Type": "application/json", **self._auth},
+            deadlines_s={"connect": c, "total": g},
+            httpx_timeout={"connect": c, "pool": c, "read": g, "write": g},
         )
-        resp = await self._transport.handle_async_request(request)
-        pieces = resp.aiter_bytes()  # not aiter_raw: a fake's bytes body counts as already consumed
-
-        async def read() -> bytes:
-            return await anext(pieces, b"")
-
-        return BodyStream(resp.status_code, read, resp.aclose)
 
     def _generate_s(self) -> float:
         return 10.0**9 if self._timeouts.generate_s is None else self._timeouts.generate_s
