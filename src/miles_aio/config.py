@@ -642,8 +642,12 @@ def resolve(cfg: RunConfig) -> RunConfig:
 
 def check_vllm_broadcast(cfg: RunConfig) -> None:
     """Weights by broadcast to vLLM servers need CUDA: vLLM's weight transfer is NCCL only (it has no
-    gloo backend, so a CPU trainer cannot send to it)."""
+    gloo backend, so a CPU trainer cannot send to it). Checked here when the trainer runs on this machine;
+    ranks on other nodes (--actor-num-nodes > 1) report their device when they start, and a CPU one's
+    pushes go by disk with a warning (`trainer.actor._group_protocol`)."""
     if cfg.engine.rollout_backend != "vllm" or cfg.train.update_weight_transfer_mode != "broadcast":
+        return
+    if cfg.train.actor_num_nodes > 1:
         return
     import torch  # only for this combination: the check needs the machine, not the values
 

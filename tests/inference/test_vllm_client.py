@@ -356,8 +356,8 @@ def test_vllm_urls_are_the_engines() -> None:
 def test_vllm_broadcast_needs_cuda_and_asks_the_servers_for_it(
     cuda: bool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """vLLM's weight transfer is NCCL only: without CUDA the flags exit 2 naming them, before anything
-    starts; with it the launched servers get the weight-transfer config their routes need."""
+    """vLLM's weight transfer is NCCL only: without CUDA on a one-node run the flags exit 2 naming them,
+    before anything starts; with it the launched servers get the weight-transfer config their routes need."""
     import torch
 
     from miles_aio.cli import parse_run_config
@@ -371,6 +371,9 @@ def test_vllm_broadcast_needs_cuda_and_asks_the_servers_for_it(
         assert exit_info.value.code == 2
         err = capsys.readouterr().err
         assert "--update-weight-transfer-mode, --rollout-backend" in err and "NCCL only" in err
+        # ranks on other nodes: this host's CUDA says nothing of theirs (they report their device)
+        multi_node = [*argv, "--actor-num-nodes", "2", "--trainer-host", "10.0.0.5"]
+        assert parse_run_config(multi_node).train.actor_num_nodes == 2
         return
     args = vllm_launch_args(parse_run_config(argv))
     assert args[args.index("--weight-transfer-config") + 1] == '{"backend": "nccl"}'
@@ -461,6 +464,111 @@ def test_an_update_a_failed_broadcast_left_open_is_finished_before_the_disk_push
     assert not fake.updating and fake.loaded == ["/w/3"] and fake.version == "3"
 
 
+def _transfer_state(fake: FakeVLLMServer) -> tuple[str | None, bool]:
+    """(the server's pause mode, whether an update is open on it)."""
+    return fake.paused, fake.updating
+
+
+@pytest.mark.vtime
+def test_a_failed_update_keeps_its_own_pause_until_an_update_succeeds() -> None:
+    """A bucket fails on a server the update itself paused (no controller pause): the server stays paused,
+    so nothing generates on half-loaded weights stamped with the old version; the disk push that follows
+    finishes the open update, loads, stamps and only then resumes. Waiting generations carry the new
+    version on every token."""
+    fake = FakeVLLMServer()
+
+    async def main() -> GenerateOutput:
+        async with _client(fake) as client:
+            await client.update_weight_version(1)
+            await client.init_weights_update_group(
+                master_address="127.0.0.1", master_port=2, rank_offset=1, world_size=2
+            )
+            fake.fail_status["/update_weights"] = 500
+            with pytest.raises(EngineUnavailable):
+                await client.update_weights_from_distributed(
+                    names=["a"], dtypes=["float32"], shapes=[[1]], version=2, last_bucket=True
+                )
+            del fake.fail_status["/update_weights"]
+            assert _transfer_state(fake) == ("keep", True)
+            async with asyncio.TaskGroup() as tg:
+                waiting = tg.create_task(
+                    client.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 4})
+                )
+                await asyncio.sleep(5.0)
+                assert not any(p == "/v1/completions" for p, _ in fake.calls)
+                await client.update_weights_from_disk("/w/2", version=2)
+            assert _transfer_state(fake) == (None, False)
+            return waiting.result()
+
+    out = run_virtual(main())
+    assert out.weight_versions == [2] * 4
+    paths = [p for p, _ in fake.calls]
+    assert paths.index("/finish_weight_update") < paths.index("/collective_rpc") < paths.index("/resume")
+
+
+@pytest.mark.vtime
+def test_a_failed_finish_is_not_resumed_and_the_routers_resume_ends_an_open_update() -> None:
+    """Finishing the update fails: still paused. A resume (the router's probe of the excluded engine does
+    one) finishes the open update before it lets generations go."""
+    fake = FakeVLLMServer()
+
+    async def main() -> None:
+        async with _client(fake) as client:
+            await client.init_weights_update_group(
+                master_address="127.0.0.1", master_port=2, rank_offset=1, world_size=2
+            )
+            fake.fail_status["/update_weight_version"] = 500
+            with pytest.raises(EngineUnavailable):
+                await client.update_weights_from_distributed(
+                    names=["a"], dtypes=["float32"], shapes=[[1]], version=2, last_bucket=True
+                )
+            assert _transfer_state(fake) == ("keep", False)
+            del fake.fail_status["/update_weight_version"]
+            await client.update_weights_from_distributed(
+                names=["a"], dtypes=["float32"], shapes=[[1]], version=3, last_bucket=False
+            )
+            assert _transfer_state(fake) == ("keep", True)
+            await client.continue_generation()
+            assert _transfer_state(fake) == (None, False)
+
+    run_virtual(main())
+
+
+@pytest.mark.vtime
+def test_a_server_still_in_a_group_leaves_it_before_joining_the_next() -> None:
+    """After a failed broadcast nobody asks the server to leave the old group (the trainer dropped it);
+    vLLM's init would replace the old NCCL communicator without destroying it, so the client asks
+    `/shutdown_weight_transfer_engine` first. The transfer routes are never asked twice after a cut
+    connection (a second /update_weights would wait for a broadcast nobody sends)."""
+    fake = FakeVLLMServer()
+    join = functools.partial(
+        VLLMClient.init_weights_update_group,
+        master_address="127.0.0.1",
+        master_port=2,
+        rank_offset=1,
+        world_size=2,
+    )
+
+    async def main() -> None:
+        async with _client(fake) as client:
+            await client.pause_generation("retract")
+            await join(client)
+            fake.disconnects = 1
+            with pytest.raises(EngineUnavailable, match="RemoteProtocolError"):
+                await client.update_weights_from_distributed(
+                    names=["a"], dtypes=["float32"], shapes=[[1]], version=2, last_bucket=False
+                )
+            await join(client)
+            await join(client)
+
+    run_virtual(main())
+    paths = [p for p, _ in fake.calls]
+    assert fake.leaked_groups == 0
+    assert paths.count("/start_weight_update") == 1 and "/update_weights" not in paths
+    assert paths.count("/shutdown_weight_transfer_engine") == 2
+    assert paths.index("/finish_weight_update") < paths.index("/shutdown_weight_transfer_engine")
+
+
 def test_broadcast_to_vllm_refuses_gloo_and_reports_an_unconfigured_server() -> None:
     """gloo (a CPU trainer) is refused before the server is asked; a server started without
     `--weight-transfer-config` answers vLLM's own error, raised as EngineUnavailable (a 5xx)."""
@@ -488,17 +596,16 @@ def test_broadcast_to_vllm_refuses_gloo_and_reports_an_unconfigured_server() -> 
 @pytest.mark.pure
 def test_the_trainer_forms_vllms_own_group_for_vllm_servers_only() -> None:
     """Rank 0 joins vLLM servers through vLLM's NCCL rendezvous and every other server through
-    torch.distributed (SGLang's protocol); a group mixing them, or vLLM's with gloo, is a config error."""
-    from miles_aio.errors import ConfigError
+    torch.distributed (SGLang's protocol); no group can mix them, or be vLLM's with gloo (the push goes by
+    disk)."""
     from miles_aio.trainer.actor import _group_protocol
 
     assert _group_protocol(["vllm", "vllm"], "nccl") == "vllm"
     assert _group_protocol([None, "miles_aio-embedded"], "gloo") == "torch"
-    with pytest.raises(ConfigError, match="cannot hold vLLM and other"):
+    with pytest.raises(ValueError, match="cannot hold vLLM and other"):
         _group_protocol(["vllm", None], "nccl")
-    with pytest.raises(ConfigError, match="NCCL only") as e:
+    with pytest.raises(ValueError, match="NCCL only"):
         _group_protocol(["vllm"], "gloo")
-    assert e.value.flags == ("--update-weight-transfer-mode", "--rollout-backend")
 
 
 def _sse(*events: str) -> bytes:

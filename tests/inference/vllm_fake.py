@@ -63,6 +63,8 @@ class FakeVLLMServer:
         """Started with `--weight-transfer-config`: False answers its routes as vLLM does without it."""
         self.transfer_group: dict[str, Any] | None = None
         """The `init_info` of the NCCL group the workers joined (`/init_weight_transfer_engine`)."""
+        self.leaked_groups = 0
+        """Joins while still in a group (vLLM would leak the old NCCL communicator)."""
         self.updating = False
         self.received: list[dict[str, Any]] = []
         """The `update_info` of each `/update_weights` (what the broadcast would have delivered)."""
@@ -139,6 +141,8 @@ class FakeVLLMServer:
         if not self.weight_transfer:
             return refuse("Weight transfer not configured. Please set weight_transfer_config.")
         if path == "/init_weight_transfer_engine":
+            # vLLM's worker replaces a communicator it still holds without destroying it
+            self.leaked_groups += self.transfer_group is not None
             self.transfer_group = body["init_info"]
             return httpx.Response(200, json={"message": "Weight transfer initialized"})
         if path == "/shutdown_weight_transfer_engine":

@@ -44,13 +44,15 @@ the weights the piece was stamped with; a request split at a pause is continued 
 **Weights by broadcast** (GPU only: vLLM's weight transfer is NCCL, it has no gloo backend) go through
 vLLM's native weight-transfer routes, on a server started with `--weight-transfer-config
 '{"backend": "nccl"}'`: `/init_weight_transfer_engine {"init_info": {master_address, master_port,
-rank_offset, world_size, packed: false}}` while trainer rank 0 opens its end of the group (vLLM's
-`nccl_common.trainer_init`: a StatelessProcessGroup and a PyNccl communicator, so the trainer's
+rank_offset, world_size, packed: false}}` while trainer rank 0 opens its end of the group
+(`trainer.vllm_transfer`: a StatelessProcessGroup and a PyNccl communicator, so the trainer's
 interpreter needs vllm too); then one update per push: `/start_weight_update`, per bucket
 `/update_weights {"update_info": {names, dtype_names, shapes}}` while rank 0 broadcasts each tensor in
 `names` order, and after the last `/finish_weight_update`; `/shutdown_weight_transfer_engine` leaves the
-group. This path has not been run
-here (no GPU on the development machine): `tests/gpu` holds its test.
+group (also asked before a new join by a server still in an old one). The transfer routes are never
+retried after a cut connection, and an update that paused the server itself resumes it only once it
+succeeded. This path has not been run here (no GPU on the development machine): `tests/gpu` holds its
+test.
 
 Errors map as in `SGLangClient`: HTTP 5xx, refused/reset connections and timeouts raise
 `EngineUnavailable`; 4xx, invalid JSON and answers that break the contract raise `EngineBadResponse`.
@@ -145,12 +147,6 @@ class _State(enum.Enum):
     CLOSED = "closed"
 
 
-@dataclass(frozen=True, slots=True)
-class _Transfer:
-    own_pause: bool
-    """The update paused generation itself (it came outside a pause) and resumes it when it ends."""
-
-
 @dataclass(eq=False, slots=True)
 class _Piece:
     """One `/v1/completions` request in flight: part of a generation, all of it from one weight version."""
@@ -209,8 +205,16 @@ class VLLMClient:
         """Notified whenever a piece ends (continue_generation waits for the stale ones)."""
         self.continuations = 0
         """How many pieces this client sent to continue a generation split at a pause."""
-        self._transfer: _Transfer | None = None
-        """The weight update by broadcast in progress (its first bucket came, its last not yet)."""
+        self._own_pause = False
+        """The current pause is this client's own: a weight update that came outside a pause made it. The
+        update resumes it once it succeeded; a failed one leaves the engine paused for whoever handles the
+        failure (the router excludes the engine; its probe's `continue_generation` resumes it), so no
+        token from half-loaded weights goes out stamped with the old version."""
+        self._transfer_open = False
+        """A weight update by broadcast is in progress on the server (its first bucket came, its last
+        not yet, or finishing it failed)."""
+        self._in_group = False
+        """The server was asked to join a trainer's NCCL group and has not been asked to leave it."""
 
     async def __aenter__(self) -> VLLMClient:
         return self
@@ -240,6 +244,7 @@ class VLLMClient:
         timeout_s: float,
         body: Mapping[str, Any] | None = None,
         params: Mapping[str, str] | None = None,
+        retry_dropped: bool = True,
     ) -> bytes:
         """One HTTP exchange; transport failures and non-2xx statuses as EngineError."""
         self._check_open()
@@ -250,7 +255,10 @@ class VLLMClient:
             except httpx.RemoteProtocolError as e:
                 # Closed before any answer: nearly always a kept-alive connection that uvicorn closed
                 # just as it was reused (seen under load). Asked once more on a fresh connection; safe
-                # for every route here (a piece keeps its registration, so a pause still ends it).
+                # for every route here (a piece keeps its registration, so a pause still ends it) but the
+                # weight-transfer ones: a second /update_weights would wait for a broadcast never sent.
+                if not retry_dropped:
+                    raise
                 _log.debug("vllm_disconnected_retry", url=self.url, path=path, error=str(e))
                 resp = await self._http.request(method, path, json=body, params=params, timeout=t)
         except httpx.TransportError as e:
@@ -420,6 +428,7 @@ class VLLMClient:
         """`/pause`: `abort` → vLLM's abort (requests come back with their tokens); `retract`/`in_place` →
         vLLM's keep (frozen; split and continued at `continue_generation`). No new piece starts until
         `continue_generation`."""
+        self._own_pause = False  # the caller's pause now, whoever paused first: the caller resumes it
         self._resumed.clear()
         self._epoch += 1
         self._paused = mode
@@ -430,12 +439,20 @@ class VLLMClient:
         await self._admin("/pause", params={"mode": vllm_mode, "clear_cache": "false"})
 
     async def continue_generation(self) -> None:
-        """End every piece sent before the last pause (abort them, wait for their answers), then
-        `/resume`, then let the waiting generations send their next pieces."""
+        """End a weight update a failed broadcast left open and every piece sent before the last pause
+        (abort them, wait for their answers), then `/resume`, then let the waiting generations send their
+        next pieces."""
+        await self._end_open_transfer()
         await self._end_stale_pieces()
         await self._admin("/resume")
-        self._paused = None
+        self._paused, self._own_pause = None, False
         self._resumed.set()
+
+    async def _pause_for_update(self) -> None:
+        """Pause (retract) for a weight update that came outside a pause; it resumes once it succeeded."""
+        if self._paused is None:
+            await self.pause_generation("retract")
+            self._own_pause = True
 
     async def _end_stale_pieces(self) -> None:
         """Abort the pieces from before the current epoch until none is left in flight."""
@@ -474,20 +491,17 @@ class VLLMClient:
     ) -> None:
         """Reload the weights in place from `model_path` (an HF model dir: vLLM's `reload_weights` worker
         method through `/collective_rpc`), optionally flush the prefix cache, then stamp `version`.
-        Outside a pause it pauses (retract) around the load itself, so no piece spans it."""
+        Outside a pause it pauses (retract) around the load itself, so no piece spans it, and resumes
+        once the load succeeded (see `_own_pause` for a failed one)."""
         await self._end_open_transfer()
-        own_pause = self._paused is None
-        if own_pause:
-            await self.pause_generation("retract")
-        try:
-            body = {"method": "reload_weights", "kwargs": {"weights_path": model_path}}
-            await self._admin("/collective_rpc", body)
-            if flush_cache:
-                await self.flush_cache()
-            await self.update_weight_version(version)
-        finally:
-            if own_pause:
-                await self.continue_generation()
+        await self._pause_for_update()
+        body = {"method": "reload_weights", "kwargs": {"weights_path": model_path}}
+        await self._admin("/collective_rpc", body)
+        if flush_cache:
+            await self.flush_cache()
+        await self.update_weight_version(version)
+        if self._own_pause:
+            await self.continue_generation()
 
     async def init_weights_update_group(
         self,
@@ -501,10 +515,15 @@ class VLLMClient:
     ) -> None:
         """`/init_weight_transfer_engine`: this server's workers join trainer rank 0's NCCL group from
         `rank_offset` on (it returns once the group is formed). `group_name` is not sent (one group per
-        server); any backend but nccl is refused here, before the server is asked."""
+        server); any backend but nccl is refused here, before the server is asked. A server still in an
+        earlier group (its broadcast failed, so nobody asked it to leave) leaves it first: vLLM's init
+        would replace the old communicator without destroying it."""
         if backend != "nccl":
             raise EngineBadResponse(f"{self.url}: {_NCCL_ONLY} (asked for {backend})")
         await self._end_open_transfer()
+        if self._in_group:
+            with contextlib.suppress(EngineError):  # a broken group may not shut down cleanly
+                await self._leave_group()
         init_info = {
             "master_address": master_address,
             "master_port": master_port,
@@ -512,11 +531,13 @@ class VLLMClient:
             "world_size": world_size,
             "packed": False,  # one broadcast per tensor, in `names` order, as the trainer sends them
         }
+        self._in_group = True  # also if the answer is lost: the workers may have joined
         await self._call(
             "POST",
             "/init_weight_transfer_engine",
             body={"init_info": init_info},
             timeout_s=self._timeouts.admin_s,
+            retry_dropped=False,
         )
 
     async def update_weights_from_distributed(
@@ -534,39 +555,39 @@ class VLLMClient:
         push as ONE update (a fused layer, e.g. qkv_proj, may take its parts from two buckets), so the
         push's first bucket starts it (`/start_weight_update`) and its last finishes it
         (`/finish_weight_update`), then flushes the prefix cache if asked and stamps `version`. Outside a
-        pause it pauses (retract) from the first bucket to the last, so no piece spans the update."""
+        pause it pauses (retract) from the first bucket to the last, so no piece spans the update, and
+        resumes once the update succeeded (see `_own_pause` for a failed one)."""
         admin = self._timeouts.admin_s
-        if self._transfer is None:
-            own_pause = self._paused is None
-            if own_pause:
-                await self.pause_generation("retract")
-            self._transfer = _Transfer(own_pause)
-            await self._call("POST", "/start_weight_update", timeout_s=admin)
+        if not self._transfer_open:
+            await self._pause_for_update()
+            self._transfer_open = True
+            await self._call("POST", "/start_weight_update", timeout_s=admin, retry_dropped=False)
         update_info = {"names": names, "dtype_names": dtypes, "shapes": shapes}
-        await self._call("POST", "/update_weights", body={"update_info": update_info}, timeout_s=admin)
+        body = {"update_info": update_info}
+        await self._call("POST", "/update_weights", body=body, timeout_s=admin, retry_dropped=False)
         if last_bucket:
-            await self._finish_transfer(flush_cache=flush_cache, version=version)
-
-    async def _finish_transfer(self, *, flush_cache: bool = False, version: int | None = None) -> None:
-        """End the update the first bucket started (also after a failed one: vLLM refuses to leave the
-        group during an update); resume generation if the update paused it."""
-        transfer, self._transfer = self._transfer, None
-        if transfer is None:
-            return
-        try:
-            await self._call("POST", "/finish_weight_update", body={}, timeout_s=self._timeouts.admin_s)
+            await self._finish_transfer()
             if flush_cache:
                 await self.flush_cache()
             if version is not None:
                 await self.update_weight_version(version)
-        finally:
-            if transfer.own_pause:
+            if self._own_pause:
                 await self.continue_generation()
+
+    async def _finish_transfer(self) -> None:
+        """`/finish_weight_update`: end the update the first bucket started (also after a failed one:
+        vLLM refuses to leave the group during an update). Asked once: a failure is not asked again."""
+        if self._transfer_open:
+            self._transfer_open = False
+            body: dict[str, Any] = {}
+            admin = self._timeouts.admin_s
+            await self._call("POST", "/finish_weight_update", body=body, timeout_s=admin, retry_dropped=False)
 
     async def _end_open_transfer(self) -> None:
         """Finish an update a failed broadcast left open (the trainer then sends that push by disk and
-        forms a new group): vLLM's loaders stay wrapped for the update until it is finished."""
-        if self._transfer is not None:
+        forms a new group): vLLM's loaders stay wrapped for the update until it is finished. It leaves
+        the engine paused; what comes next (a disk load, a resume) decides."""
+        if self._transfer_open:
             _log.warning("vllm_weight_update_left_open", url=self.url)
             with contextlib.suppress(EngineError):  # a broken group's update may not finish cleanly
                 await self._finish_transfer()
@@ -575,7 +596,11 @@ class VLLMClient:
         """`/shutdown_weight_transfer_engine`: leave the trainer's NCCL group (ending an update a failed
         broadcast left open first)."""
         await self._end_open_transfer()
+        await self._leave_group()
+
+    async def _leave_group(self) -> None:
         await self._call("POST", "/shutdown_weight_transfer_engine", timeout_s=self._timeouts.admin_s)
+        self._in_group = False
 
     def weight_broadcast(self) -> SingleServerBroadcast:
         """This server alone takes a weight push by broadcast (NCCL only: vLLM has no gloo transfer)."""

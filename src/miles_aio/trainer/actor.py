@@ -144,6 +144,10 @@ class TrainerActor:
         self._dp_size = 1
         self._device = "cpu"
         self._bcast: _WeightGroup | None = None
+        self._bcast_failure: str | None = None
+        """Why the last push by broadcast went by disk (None once one succeeds)."""
+        self.bcast_failures = 0
+        """Pushes by broadcast that went by disk instead."""
         self.weight_group_timeout_s = cfg.dist_timeout_s
         """How long rank 0 waits for the engines in the group's rendezvous and broadcasts (the run's
         --engine-admin-timeout-s when the actor knows the run)."""
@@ -516,6 +520,7 @@ class TrainerActor:
             if failed is not None:
                 await self._sync_by_disk_instead(engine, version, failed)
                 return
+        self._bcast_failure = None
 
     async def _form_weight_group(
         self,
@@ -544,7 +549,10 @@ class TrainerActor:
         offsets = [1 + sum(tps[:i]) for i in range(len(tps))]
         name = f"miles_aio_weights_{os.getpid()}_{version}"
         backend = "nccl" if self._device.startswith("cuda") else "gloo"
-        protocol_name = _group_protocol([info.get("engine") for info in infos], backend)
+        try:
+            protocol_name = _group_protocol([info.get("engine") for info in infos], backend)
+        except ValueError as exc:  # no group can hold these engines: every push goes by disk
+            return str(exc)
         world_size = 1 + sum(tps)
         init = BcastInitRequest(
             backend=backend,
@@ -582,8 +590,15 @@ class TrainerActor:
         return None
 
     async def _sync_by_disk_instead(self, engine: InferenceEngine, version: int, why: str) -> None:
-        """The broadcast failed: drop the group; this push's engines load the weights from disk."""
-        log.warning("trainer: weight broadcast failed; this push goes by disk", version=version, error=why)
+        """The broadcast failed: drop the group; this push's engines load the weights from disk. Logged
+        as a warning when the reason is new (a lasting one, e.g. engines no group can hold, is said once
+        and then counted)."""
+        if why != self._bcast_failure:
+            log.warning(
+                "trainer: weight broadcast failed; this push goes by disk", version=version, error=why
+            )
+        self._bcast_failure = why
+        self.bcast_failures += 1
         self._bcast = None
         await self._call(BcastDestroyRequest(), ranks=[0])
         path = await self.write_weights(version)
@@ -662,18 +677,13 @@ def _rank_report(exc: BaseException) -> bool:
 def _group_protocol(engines: Sequence[object], backend: str) -> str:
     """How rank 0 forms the group for servers of these engines (`server_info()["engine"]`): vLLM's own
     NCCL group for vLLM servers, torch.distributed for the rest (SGLang's protocol, which the embedded
-    engine speaks too). A group mixes neither, and vLLM's has no gloo."""
+    engine speaks too). A group mixes neither, and vLLM's has no gloo: ValueError saying so (the push then
+    goes by disk; `config.check_vllm_broadcast` refuses what it can see before the run starts)."""
     vllm = [e == "vllm" for e in engines]
     if not any(vllm):
         return "torch"
     if not all(vllm):
-        raise ConfigError(
-            "one weight-update group cannot hold vLLM and other servers: push to them by disk",
-            flags=["--update-weight-transfer-mode"],
-        )
+        raise ValueError("one weight-update group cannot hold vLLM and other servers")
     if backend != "nccl":
-        raise ConfigError(
-            "vLLM's weight transfer is NCCL only (a GPU trainer): on a CPU use the disk transfer mode",
-            flags=["--update-weight-transfer-mode", "--rollout-backend"],
-        )
+        raise ValueError("vLLM's weight transfer is NCCL only, and the trainer runs without CUDA")
     return "vllm"

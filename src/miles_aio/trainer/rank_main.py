@@ -361,6 +361,7 @@ class RankWorker:
                     master_port=req.master_port,
                     world_size=req.world_size,
                     device=self.device,
+                    timeout_s=req.timeout_s,
                 )
             except Exception as exc:  # the engines did not all join: reported, the rank lives on
                 return BcastReply(failed=f"{type(exc).__name__}: {exc}")
