@@ -7,19 +7,25 @@ samples in flight the controller holds ~700k tracked objects (coroutines, tasks,
 their per-token lists, the dataset), nearly all alive by design, so each full (generation 2) pass took
 0.6–1.3 s of loop time every few seconds and freed nothing (`benchmarks.soak` on 2 shared cores: 21
 full passes, 12 s of a 60 s run; loop lag p99 24 ms, max 1.4 s); young passes grow with the objects that
-survive them, which here is most of them (generation-1 passes of 9.5 ms on average).
+survive them, which here is most of them (generation-1 passes of 9.5 ms on average). At 50,000 in
+flight a full pass takes 2–3 s, and each one leaves a backlog that keeps the loop late for several
+hundred milliseconds after it: with full passes every `FULL_EVERY` generation-1 passes (~35 s at 3,000
+requests/s), 17 of them in a 10-minute soak put the loop lag's p99 at 213 ms.
 
 While the controller runs:
 * what exists at its start (modules, the dataset, the configuration) is moved to the permanent
   generation (`gc.freeze()`), so no pass walks it again;
-* full collections become rare (the generation-2 threshold goes from 10 to `FULL_EVERY` generation-1
-  passes); young passes still run as usual, so short-lived cycles are freed promptly;
+* full collections run at most once every `FULL_EVERY_S` seconds of wall time (and no more often than
+  every `FULL_EVERY` generation-1 passes): a `gc.callbacks` hook keeps the generation-2 threshold out of
+  reach and lowers it once the interval has passed, so the next generation-1 pass becomes a full one.
+  Young passes still run as usual, so short-lived cycles are freed promptly;
 * generation 1 is collected every `YOUNG_EVERY` generation-0 passes instead of 10, so each of those
-  passes walks fewer objects: more, shorter pauses (2.8 ms on average). The soak: no full pass in 60 s
-  (one every ~95 s), loop lag p99 5 ms.
+  passes walks fewer objects: more, shorter pauses (2.8 ms on average).
 
-Reference cycles that reach the oldest generation wait longer to be freed; nothing else changes. The
-previous thresholds and the frozen objects are restored when the last of overlapping blocks exits (two
+Non-cyclic garbage is freed by reference counting whatever the collector does; what waits longer is only
+reference cycles that reached the oldest generation before they became garbage (`benchmarks.soak`
+reports how many a final full pass finds, and the resident memory over the run). The previous
+thresholds, hooks and frozen objects are restored when the last of overlapping blocks exits (two
 controllers in one process may start and end in any order).
 """
 
@@ -27,19 +33,52 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import Final
 
-__all__ = ["FULL_EVERY", "YOUNG_EVERY", "paced_gc"]
+__all__ = ["FULL_EVERY", "FULL_EVERY_S", "YOUNG_EVERY", "FullPassPacer", "full_pass_due", "paced_gc"]
 
 FULL_EVERY: Final = 1000
-"""Generation-1 passes between two full collections (CPython's default: 10)."""
+"""Generation-1 passes between two full collections, at least (CPython's default: 10)."""
+FULL_EVERY_S = 600.0
+"""Seconds of wall time between two full collections, at least, while a controller runs."""
 YOUNG_EVERY: Final = 2
 """Generation-0 passes between two generation-1 passes (CPython's default: 10)."""
+OUT_OF_REACH: Final = 2**30
+"""A generation-2 threshold no count reaches: no automatic full pass."""
 
 
-_active: list[tuple[int, int, int]] = []
-"""One entry per block in progress: the thresholds before the first of them."""
+def full_pass_due(*, now: float, last_full: float, every_s: float) -> bool:
+    """Whether the next generation-1 pass may be a full one."""
+    return now - last_full >= every_s
+
+
+class FullPassPacer:
+    """A `gc.callbacks` hook: after each generation-1 pass, the generation-2 threshold is `FULL_EVERY`
+    once a full pass is due (`full_pass_due`), else out of reach; a full pass (automatic or an explicit
+    `gc.collect()`) restarts the interval. Runs inside the collector: it only sets thresholds."""
+
+    def __init__(self, every_s: float, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every_s = every_s
+        self._clock = clock
+        self.last_full = clock()
+        self.full_passes = 0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase != "stop" or info["generation"] == 0:
+            return
+        young, middle, _ = gc.get_threshold()
+        if info["generation"] == 2:
+            self.last_full = self._clock()
+            self.full_passes += 1
+            gc.set_threshold(young, middle, OUT_OF_REACH)
+        elif full_pass_due(now=self._clock(), last_full=self.last_full, every_s=self.every_s):
+            gc.set_threshold(young, middle, FULL_EVERY)
+
+
+_active: list[tuple[tuple[int, int, int], FullPassPacer]] = []
+"""One entry per block in progress: the thresholds before the first of them, and its hook."""
 
 
 @contextlib.asynccontextmanager
@@ -50,12 +89,15 @@ async def paced_gc() -> AsyncIterator[None]:
     else:
         before = gc.get_threshold()
         gc.freeze()
-        gc.set_threshold(before[0], min(before[1], YOUNG_EVERY), max(before[2], FULL_EVERY))
-        _active.append(before)
+        pacer = FullPassPacer(FULL_EVERY_S)
+        gc.set_threshold(before[0], min(before[1], YOUNG_EVERY), OUT_OF_REACH)
+        gc.callbacks.append(pacer)
+        _active.append((before, pacer))
     try:
         yield
     finally:
-        saved = _active.pop()
+        saved, hook = _active.pop()
         if not _active:
+            gc.callbacks.remove(hook)
             gc.set_threshold(*saved)
             gc.unfreeze()

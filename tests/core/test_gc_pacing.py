@@ -1,4 +1,5 @@
-"""`paced_gc()`: rare full collections, shorter young ones, startup objects frozen — all undone on exit."""
+"""`paced_gc()`: full collections at most every `FULL_EVERY_S` seconds, shorter young ones, startup objects
+frozen — all undone on exit."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import gc
 
 import pytest
 
-from miles_aio._gc import FULL_EVERY, YOUNG_EVERY, paced_gc
+from miles_aio import _gc
+from miles_aio._gc import FULL_EVERY, OUT_OF_REACH, YOUNG_EVERY, FullPassPacer, paced_gc
 
 pytestmark = pytest.mark.pure
 
@@ -38,11 +40,12 @@ def test_paced_gc_paces_the_collector_for_the_block_and_restores_it() -> None:
         return seen_a, still, frozen
 
     seen, still, frozen_inside = asyncio.run(main())
-    assert seen == (before[0], min(before[1], YOUNG_EVERY), max(before[2], FULL_EVERY))
+    assert seen == (before[0], min(before[1], YOUNG_EVERY), OUT_OF_REACH)
     assert still == seen
     assert frozen_inside > frozen_before
     assert gc.get_threshold() == before
     assert gc.get_freeze_count() == 0
+    assert not any(isinstance(c, FullPassPacer) for c in gc.callbacks)
 
 
 def test_paced_gc_restores_the_collector_when_the_block_raises() -> None:
@@ -56,3 +59,60 @@ def test_paced_gc_restores_the_collector_when_the_block_raises() -> None:
         asyncio.run(main())
     assert gc.get_threshold() == before
     assert gc.get_freeze_count() == 0
+
+
+def test_the_pacer_lets_a_full_pass_come_only_once_its_interval_passed() -> None:
+    now = [100.0]
+    pacer = FullPassPacer(60.0, clock=lambda: now[0])
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 2, OUT_OF_REACH)
+        now[0] = 159.0
+        pacer("stop", {"generation": 1})
+        assert gc.get_threshold() == (700, 2, OUT_OF_REACH)
+        pacer("start", {"generation": 1})
+        pacer("stop", {"generation": 0})
+        now[0] = 160.0
+        assert gc.get_threshold()[2] == OUT_OF_REACH
+        pacer("stop", {"generation": 1})
+        assert gc.get_threshold() == (700, 2, FULL_EVERY)
+        now[0] = 161.0
+        pacer("stop", {"generation": 2})  # the full pass (or a gc.collect()) restarts the interval
+        assert gc.get_threshold() == (700, 2, OUT_OF_REACH)
+        assert (pacer.last_full, pacer.full_passes) == (161.0, 1)
+        now[0] = 200.0
+        pacer("stop", {"generation": 1})
+        assert gc.get_threshold()[2] == OUT_OF_REACH
+    finally:
+        gc.set_threshold(*before)
+
+
+def _full_passes_while_allocating(every_s: float, monkeypatch: pytest.MonkeyPatch) -> int:
+    """Full passes the collector makes on its own inside `paced_gc` while ~2,000 generation-1 passes'
+    worth of containers are made, a third of them kept (they reach the oldest generation, as in-flight
+    samples do)."""
+    monkeypatch.setattr(_gc, "FULL_EVERY_S", every_s)
+    full = [0]
+
+    def count(phase: str, info: dict[str, int]) -> None:
+        full[0] += phase == "stop" and info["generation"] == 2
+
+    async def main() -> None:
+        async with paced_gc():
+            gc.callbacks.append(count)
+            try:
+                kept = []
+                for i in range(6 * FULL_EVERY * YOUNG_EVERY * gc.get_threshold()[0]):
+                    item = {"i": [i]}
+                    if i % 3 == 0:
+                        kept.append(item)
+            finally:
+                gc.callbacks.remove(count)
+
+    asyncio.run(main())
+    return full[0]
+
+
+def test_no_full_pass_runs_before_its_interval_and_one_does_after(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _full_passes_while_allocating(3600.0, monkeypatch) == 0
+    assert _full_passes_while_allocating(0.0, monkeypatch) >= 1
