@@ -29,6 +29,16 @@ def _client(fake: FakeVLLMServer, **kw: Any) -> VLLMClient:
     return VLLMClient("http://fake-vllm", transport=fake.transport(), **kw)
 
 
+_join = functools.partial(
+    VLLMClient.init_weights_update_group,
+    master_address="127.0.0.1",
+    master_port=2,
+    rank_offset=1,
+    world_size=2,
+)
+"""Join a (fake) trainer's weight-transfer group of 2: rank 0 and this server's one worker."""
+
+
 def _assert_versions_exact(out: GenerateOutput, version_of_weights: dict[int, int | None]) -> None:
     truth = [version_of_weights[t // TOKEN_BASE] for t in out.output_ids]
     assert out.weight_versions == truth
@@ -447,9 +457,7 @@ def test_an_update_a_failed_broadcast_left_open_is_finished_before_the_disk_push
 
     async def main() -> None:
         async with _client(fake) as client:
-            await client.init_weights_update_group(
-                master_address="127.0.0.1", master_port=2, rank_offset=1, world_size=2
-            )
+            await _join(client)
             await client.pause_generation("retract")
             await client.update_weights_from_distributed(
                 names=["a"], dtypes=["float32"], shapes=[[1]], version=3, last_bucket=False
@@ -480,9 +488,7 @@ def test_a_failed_update_keeps_its_own_pause_until_an_update_succeeds() -> None:
     async def main() -> GenerateOutput:
         async with _client(fake) as client:
             await client.update_weight_version(1)
-            await client.init_weights_update_group(
-                master_address="127.0.0.1", master_port=2, rank_offset=1, world_size=2
-            )
+            await _join(client)
             fake.fail_status["/update_weights"] = 500
             with pytest.raises(EngineUnavailable):
                 await client.update_weights_from_distributed(
@@ -514,9 +520,7 @@ def test_a_failed_finish_is_not_resumed_and_the_routers_resume_ends_an_open_upda
 
     async def main() -> None:
         async with _client(fake) as client:
-            await client.init_weights_update_group(
-                master_address="127.0.0.1", master_port=2, rank_offset=1, world_size=2
-            )
+            await _join(client)
             fake.fail_status["/update_weight_version"] = 500
             with pytest.raises(EngineUnavailable):
                 await client.update_weights_from_distributed(
@@ -541,25 +545,18 @@ def test_a_server_still_in_a_group_leaves_it_before_joining_the_next() -> None:
     `/shutdown_weight_transfer_engine` first. The transfer routes are never asked twice after a cut
     connection (a second /update_weights would wait for a broadcast nobody sends)."""
     fake = FakeVLLMServer()
-    join = functools.partial(
-        VLLMClient.init_weights_update_group,
-        master_address="127.0.0.1",
-        master_port=2,
-        rank_offset=1,
-        world_size=2,
-    )
 
     async def main() -> None:
         async with _client(fake) as client:
             await client.pause_generation("retract")
-            await join(client)
+            await _join(client)
             fake.disconnects = 1
             with pytest.raises(EngineUnavailable, match="RemoteProtocolError"):
                 await client.update_weights_from_distributed(
                     names=["a"], dtypes=["float32"], shapes=[[1]], version=2, last_bucket=False
                 )
-            await join(client)
-            await join(client)
+            await _join(client)
+            await _join(client)
 
     run_virtual(main())
     paths = [p for p, _ in fake.calls]
@@ -574,21 +571,14 @@ def test_broadcast_to_vllm_refuses_gloo_and_reports_an_unconfigured_server() -> 
     `--weight-transfer-config` answers vLLM's own error, raised as EngineUnavailable (a 5xx)."""
     fake = FakeVLLMServer()
     fake.weight_transfer = False
-    join = functools.partial(
-        VLLMClient.init_weights_update_group,
-        master_address="127.0.0.1",
-        master_port=1,
-        rank_offset=1,
-        world_size=2,
-    )
 
     async def main() -> None:
         async with _client(fake) as client:
             with pytest.raises(EngineBadResponse, match="NCCL only"):
-                await join(client, backend="gloo")
+                await _join(client, backend="gloo")
             assert not fake.calls
             with pytest.raises(EngineUnavailable, match="Weight transfer not configured"):
-                await join(client)
+                await _join(client)
 
     run_virtual(main())
 
