@@ -497,9 +497,15 @@ class VLLMClient:
         await self._pause_for_update()
         body = {"method": "reload_weights", "kwargs": {"weights_path": model_path}}
         await self._admin("/collective_rpc", body)
+        await self._updated(version=version, flush_cache=flush_cache)
+
+    async def _updated(self, *, version: int | None, flush_cache: bool) -> None:
+        """A weight update succeeded: flush the prefix cache if asked, stamp `version`, and resume the
+        server if the update paused it itself (`_own_pause`)."""
         if flush_cache:
             await self.flush_cache()
-        await self.update_weight_version(version)
+        if version is not None:
+            await self.update_weight_version(version)
         if self._own_pause:
             await self.continue_generation()
 
@@ -567,21 +573,15 @@ class VLLMClient:
         await self._call("POST", "/update_weights", body=body, timeout_s=admin, retry_dropped=False)
         if last_bucket:
             await self._finish_transfer()
-            if flush_cache:
-                await self.flush_cache()
-            if version is not None:
-                await self.update_weight_version(version)
-            if self._own_pause:
-                await self.continue_generation()
+            await self._updated(version=version, flush_cache=flush_cache)
 
     async def _finish_transfer(self) -> None:
         """`/finish_weight_update`: end the update the first bucket started (also after a failed one:
         vLLM refuses to leave the group during an update). Asked once: a failure is not asked again."""
         if self._transfer_open:
             self._transfer_open = False
-            body: dict[str, Any] = {}
             admin = self._timeouts.admin_s
-            await self._call("POST", "/finish_weight_update", body=body, timeout_s=admin, retry_dropped=False)
+            await self._call("POST", "/finish_weight_update", body={}, timeout_s=admin, retry_dropped=False)
 
     async def _end_open_transfer(self) -> None:
         """Finish an update a failed broadcast left open (the trainer then sends that push by disk and
