@@ -395,6 +395,13 @@ class DriverConfig:
     partial_rollout: bool = opt(
         False, "Continue requests aborted by a pause under the new weights, keeping their tokens."
     )
+    overlap_weight_push: bool = opt(
+        False,
+        "With the disk transfer: once rank 0 has written the weights, the engines' pause, load and continue "
+        "run alongside the next step's training (as prime-rl's trainer never waits for its inference "
+        "servers). Pays where trainer and engines have their own devices; on one shared CPU they compete "
+        "for it (docs/learning.md).",
+    )
     save: Path | None = opt(None, "Checkpoint directory.")
     save_interval: int | None = opt(None, "Save a checkpoint every N steps (needs --save).")
     load: Path | None = opt(None, "Resume from this checkpoint directory.")

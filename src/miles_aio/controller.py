@@ -24,6 +24,10 @@ Tasks (all owned by `run()`'s TaskGroup):
                   in-flight bound every interval (`miles_aio.scheduler.adaptive`); ends with the worker.
   agent-sessions  with --custom-agent-function-path only: the agents' OpenAI-compatible session endpoint
                   (`miles_aio.rollout.agent.SessionServer`); answers agents until cancelled at the end.
+  weight-push-v<version>  with --overlap-weight-push only: a disk push once rank 0 has written the
+                  weights (the engines' pause, load, stamp and continue), alongside the next step's
+                  training. Awaited after that training, and before a save, an eval point or the run's
+                  end (they read the pushed weights).
   the body        the step loop: trains, pushes weights, saves, evaluates, logs metrics.
 
 Step numbers count steps done: step N is the N-th step (1-based), after which N steps are trained.
@@ -39,8 +43,13 @@ The step loop (`_step_loop`, one `_step` per step; each phase timed by the step'
         batch = the drain of step (started one step ahead)    # wait_data
         start the drain of step + 1
         train(step, batch)                                     # train
+        the previous push is done                              # weight_sync (it ran alongside the training)
         every I steps and after the last: _push_after_barrier  # finish the drain of step + 1 (wait_data),
-                                                               # the eval point in flight (eval), push
+                                                               # the eval point in flight (eval), stage the
+                                                               # weights (disk: rank 0 writes them) and
+                                                               # push (weight_sync; --overlap-weight-push:
+                                                               # it goes on during the next training)
+        a save, an eval point or the last step: the push is done first (weight_sync)
         stop requested: save now; else save every --save-interval steps and after the last step
         an eval point due (not when stopping): dispatch it; the last step waits for its point (eval)
         the step's record: metrics, the buffer window cut at its drain, perf/* from its clock
@@ -154,6 +163,8 @@ class Controller:
         self.stopped = False
         self._worker_error: BaseException | None = None
         self._weights_ahead = False
+        self._push: asyncio.Task[None] | None = None  # a push running alongside the next step's training
+        self._push_s = 0.0  # seconds of the latest push, from its pause to its publish
         self._carry: list[BufferItem] = []  # drained before a checkpoint, not yet trained: consumed first
         self._next_drain: asyncio.Task[list[BufferItem]] | None = None
         self._draining: list[BufferItem] = []  # groups the current drain has taken so far
@@ -326,6 +337,7 @@ class Controller:
                     raise _StopRequested  # requested during the step, which ended saved and logged
         except _StopRequested:
             await self._save_at_stop(self._last_step)
+        await self._pushed()  # a stop without --save may leave the last push in flight
 
     async def _step(self, tg: asyncio.TaskGroup, step: int, summary: RunSummary) -> None:
         """Step number `step` (`step` steps are done after it); `_StopRequested` when a stop cancels
@@ -342,12 +354,17 @@ class Controller:
         metrics |= self.source.get_metrics()
         with clock.phase("train"):
             metrics.update(await self.trainer.train(step, groups))
-            self._weights_ahead = True  # trained weights not pushed yet: a checkpoint now is one version on
-            for item in batch:
-                self.ledger.record("trained", item.group_index, step=step)
+        with clock.phase("weight_sync"):
+            await self._pushed()  # the push that ran alongside this training (its version is now behind)
+        self._weights_ahead = True  # trained weights not pushed yet: a checkpoint now is one version on
+        for item in batch:
+            self.ledger.record("trained", item.group_index, step=step)
         if self._push_due(step):  # the run ends on pushed weights
-            await self._push_after_barrier(step, clock)
+            await self._push_after_barrier(tg, step, clock)
         stopping = self._stop_pending(step)
+        if stopping or self._save_due(step) or self.evals.due(step) or step == self.cfg.driver.num_rollout:
+            with clock.phase("weight_sync"):
+                await self._pushed()  # a checkpoint, an eval point and the run's end read the pushed weights
         if stopping:
             await self._save_at_stop(step)  # saved before its metrics record, as every saved step
         elif self._save_due(step):
@@ -362,11 +379,17 @@ class Controller:
                 await self.evals.wait_before_push(steps_done=step)  # the last point lands in the last record
         await self._record(step, groups, metrics, clock, summary)
 
-    async def _push_after_barrier(self, done: int, clock: StepClock) -> None:
+    async def _push_after_barrier(self, tg: asyncio.TaskGroup, done: int, clock: StepClock) -> None:
         """Push the weights trained by `done` steps once every version is whole: the next step's batch is
         drained (at the current version) and the eval point in flight finished on the current weights.
         A stop that cancels that drain skips the push: the step ends unpushed (its checkpoint keeps the
-        trained weights, one version ahead), then is saved and logged."""
+        trained weights, one version ahead), then is saved and logged.
+
+        The trainer stages the weights first, while the engines still generate (disk: rank 0 writes
+        them), so the engines are paused only for their own part. With --overlap-weight-push, when that
+        part needs nothing of the trainer (`stage_weights` says so), it runs as the task
+        `weight-push-v<version>` alongside the next step's training, which no longer waits for the
+        engines' pause, load and continue; `_pushed()` waits for it wherever the pushed weights are read."""
         if self._next_drain is not None:
             try:
                 with clock.phase("wait_data"):
@@ -375,8 +398,21 @@ class Controller:
                 return
         with clock.phase("eval"):
             await self.evals.wait_before_push(steps_done=done)
+        version = (self.version or 0) + 1
         with clock.phase("weight_sync"):
-            await self._push_weights((self.version or 0) + 1)
+            with self.tracer.slice("stage weights", track="trainer", version=version):
+                staged = await self.trainer.stage_weights(version=version)
+            if not (staged and self.cfg.driver.overlap_weight_push):
+                await self._push_weights(version)
+                return
+        self._push = tg.create_task(self._push_weights(version), name=f"weight-push-v{version}")
+
+    async def _pushed(self) -> None:
+        """Wait for the push running alongside training, if any. Its failure is its TaskGroup's to
+        raise: the group cancels this wait, so the error is reported once."""
+        push, self._push = self._push, None
+        if push is not None:
+            await asyncio.wait([push])
 
     async def _record(
         self, step: int, groups: list[Group], metrics: dict[str, float], clock: StepClock, summary: RunSummary
@@ -386,6 +422,7 @@ class Controller:
         metrics |= self._drained_metrics.pop(step) | self.accounting.step_metrics(
             times, now=asyncio.get_running_loop().time(), trained_tokens=int(metrics["rollout/tokens"])
         )
+        metrics["perf/weight_push_seconds"] = self._push_s
         metrics = await self.obs.end_step(
             step,
             groups,
@@ -526,31 +563,34 @@ class Controller:
     async def _push_weights(self, version: int) -> None:
         """pause → flush (unless in_place) → transfer → stamp the version → continue → publish."""
         mode, tr = self.cfg.driver.pause_generation_mode, self.tracer
-        with tr.slice("push weights", track="trainer", version=version):
-            with tr.slice("pause", track="trainer", mode=mode):
+        t0 = asyncio.get_running_loop().time()
+        with tr.slice("push weights", track="weights", version=version):
+            with tr.slice("pause", track="weights", mode=mode):
                 await self.engine.pause_generation(mode)
                 fault_point("push:paused")
                 if mode != "in_place":
                     await self.engine.flush_cache()
                     fault_point("push:flushed")
-            with tr.slice("transfer", track="trainer"):
+            with tr.slice("transfer", track="weights"):
                 # the router's side of the transfer has its points too (push:weights_written, push:broadcast)
                 await self.trainer.sync_weights(self.engine.inner, version=version)
                 fault_point("push:transferred")
                 await self.engine.update_weight_version(version)
                 fault_point("push:stamped")
-            with tr.slice("continue", track="trainer"):
+            with tr.slice("continue", track="weights"):
                 await self.engine.continue_generation()
                 fault_point("push:continued")  # the engines generate with it; the controller not told yet
         self._weights_ahead = False
         self.version = version
         self.gate.publish_version(version)
         self.obs.version_pushed(version)
+        self._push_s = asyncio.get_running_loop().time() - t0
 
     async def save(self, step: int) -> None:
         """`step_<step>` (the weights after `step` steps): trainer state plus everything the controller
         needs to resume without losing a group."""
         assert self.cfg.driver.save is not None
+        await self._pushed()  # the checkpoint's version is the pushed one
         carry = await self._batch_to_carry()
         # The commit order (see miles_aio.checkpoint): every file, fsynced, then `latest` last. A crash
         # or a failed write at any point before `latest` leaves the previous checkpoint the resumable one.

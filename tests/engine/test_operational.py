@@ -795,8 +795,8 @@ def test_retracted_request_times_out_waiting_and_a_long_one_running(
     chunks = pool.submit(stream)
     _running(timed_client, 1)
     time.sleep(0.3)
+    retracted_at = time.monotonic()  # before the call: the engine's waiting clock starts inside it
     timed_client.post("/pause_generation", json={"mode": "retract"})
-    retracted_at = time.monotonic()
     out = chunks.result(timeout=30)
     assert time.monotonic() - retracted_at >= WAITING_S
     assert out[-1] == "data: [DONE]"

@@ -64,4 +64,18 @@ def test_engine_logprobs_match_trainer_after_sync(model_dir: Path, tmp_path: Pat
             assert engine == pytest.approx(trainer, abs=1e-4)
             assert (tmp_path / "run" / "weights" / "v2" / "model.safetensors").exists()
 
+            # staged: rank 0 writes v3 now; the push loads that file later, even after more training
+            # (--overlap-weight-push trains the next step meanwhile), and writes nothing again
+            staged = tmp_path / "run" / "weights" / "v3" / "model.safetensors"
+            await actor.train(2, make_batch(2))
+            assert await actor.stage_weights(version=3)
+            written = staged.stat().st_mtime_ns
+            await actor.train(3, make_batch(3))
+            await actor.sync_weights(router, version=3)
+            assert staged.stat().st_mtime_ns == written
+            engine, trainer = await check(actor, router, 3)  # the engine serves v3, not the newer weights
+            assert max(abs(a - b) for a, b in zip(engine, trainer, strict=True)) > 1e-3
+            actor.cfg = cfg
+            assert not await actor.stage_weights(version=4)  # a broadcast needs rank 0 in the collective
+
     run(main())

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import os
 import random
 import time
 from collections import deque
@@ -51,8 +52,14 @@ __all__ = ["EngineClosed", "LocalEngine", "LogprobOptions", "Request", "RequestA
 _log = structlog.get_logger(__name__)
 _STOP_TAIL_SLACK: Final = 2
 """Extra tokens decoded beyond the longest stop string when checking for it (a token is >= 1 char)."""
-_SHARE_MIN_TOKENS: Final = 32
-"""Identical uncached prompts at least this long are prefilled once per step (see `_plan`)."""
+SHARE_MIN_TOKENS_ENV: Final = "IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD"
+"""SGLang's environment variable for the shortest shared prompt its scheduler defers (SGLang: 32)."""
+_SHARE_MIN_TOKENS: Final = int(os.environ.get(SHARE_MIN_TOKENS_ENV, "2"))
+"""Identical uncached prompts at least this long are prefilled once per step (see `_plan`). SGLang
+defers only prompts of 32 tokens and more, where a GPU's prefill of fewer costs less than a step's
+wait; on a CPU every token of a prefill costs its share: prefilling each of the quickstart's 6-token
+prompts once instead of 8 times takes its 256-sample batches 0.86-0.90x the time
+(`benchmarks.group_prefill`). 2: every prompt that can be cached (a prompt's last token is always fed)."""
 
 
 class EngineClosed(RuntimeError):
@@ -566,6 +573,7 @@ class LocalEngine:
         decodes: list[Row] = []
         pre_reqs: list[Request] = []
         dec_reqs: list[Request] = []
+        caching: set[tuple[tuple[str | None, str | None], tuple[int, ...]]] = set()  # prompts saved this step
         for req in self._running:
             assert req.slot is not None
             if req.prefilled:  # feed only the newest token: O(1) per request, however long it is
@@ -579,7 +587,7 @@ class LocalEngine:
                 )
                 dec_reqs.append(req)
                 continue
-            prefills.append(self._prefill_row(req))
+            prefills.append(self._prefill_row(req, caching))
             pre_reqs.append(req)
         if not prefills and not decodes:
             return None
@@ -605,8 +613,11 @@ class LocalEngine:
             )
         return req.row_sampling
 
-    def _prefill_row(self, req: Request) -> Row:
+    def _prefill_row(
+        self, req: Request, caching: set[tuple[tuple[str | None, str | None], tuple[int, ...]]]
+    ) -> Row:
         """Prefill prompt + output so far, reusing cached prompt KV, and scoring the prompt if asked.
+        `caching`: the prompts (with their cache namespace) whose KV a row of this step already saves.
 
         SGLang's input logprobs for `logprob_start_len` s: the logits of positions s.. score the tokens
         s + 1.. (the token at s itself gets None), so the reusable cache prefix is capped at s, as SGLang
@@ -620,9 +631,14 @@ class LocalEngine:
             reused = start_len
             entry = entry if reused else None
         req.cached_tokens += reused
-        # Cache the prompt's KV on its first prefill, unless the cache already covers it.
-        fresh = not req.output_ids and reused < len(req.prompt_ids) - 1
-        save = len(req.prompt_ids) if fresh and self._cache.max_entries > 0 else 0
+        # Cache the prompt's KV on its first prefill, unless the cache already covers it or another row of
+        # this step saves the same prompt (a group's samples prefilled together: one copy, not n).
+        save = 0
+        if not req.output_ids and reused < len(req.prompt_ids) - 1 and self._cache.max_entries > 0:
+            key = (req.cache_namespace, tuple(req.prompt_ids))
+            if key not in caching:
+                caching.add(key)
+                save = len(req.prompt_ids)
         return Row(
             slot=req.slot if req.slot is not None else -1,
             tokens=ids[reused:],

@@ -123,7 +123,17 @@ METRICS: tuple[MetricSpec, ...] = (
         "The same, by reason: buffer_full, pacing, paused, capacity.",
         _PERF,
     ),
-    _m("perf/weight_sync_seconds", "Seconds of the step's weight push (pause, transfer, continue).", _PERF),
+    _m(
+        "perf/weight_sync_seconds",
+        "Seconds the step waited for weight pushes: the whole push, or with disk transfers rank 0's write "
+        "and any wait for the push that ran alongside the step's training.",
+        _PERF,
+    ),
+    _m(
+        "perf/weight_push_seconds",
+        "Seconds of the latest finished push, from the engines' pause to the new version's publish.",
+        _PERF,
+    ),
     _m("perf/eval_stall_seconds", "Seconds the step loop waited for eval points.", _PERF),
     _m("perf/train_seconds", "Seconds of trainer.train() in the step.", _PERF),
     _m("perf/generated_tokens_per_s", "Tokens the engines generated per second of the step.", _PERF),

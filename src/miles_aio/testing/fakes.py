@@ -564,8 +564,10 @@ class FakeTrainer:
         per_token_s: float = 0.0,
         sync_time_s: float = 0.0,
         keep_batches: bool = True,
+        stages: bool = False,
     ) -> None:
         self.step_time_s = step_time_s
+        self.stages = stages  # True: pushes run alongside the next step's training, as disk pushes do
         self.per_token_s = per_token_s
         self.sync_time_s = sync_time_s
         self.keep_batches = keep_batches  # tests inspect what was trained; long runs must not hoard it
@@ -578,6 +580,9 @@ class FakeTrainer:
         await asyncio.sleep(self.step_time_s + self.per_token_s * tokens)
         self.steps.append((step, batch if self.keep_batches else []))
         return {"train/loss": 1.0 / (1 + step), "train/tokens": float(tokens)}
+
+    async def stage_weights(self, *, version: int) -> bool:
+        return self.stages
 
     async def sync_weights(self, engine: InferenceEngine, *, version: int) -> None:
         await asyncio.sleep(self.sync_time_s)

@@ -2,6 +2,7 @@
 
     async with TrainerActor.open(train_cfg, run_cfg) as actor:   # spawns, authenticates, loads the model
         metrics = await actor.train(step, batch)                  # batch: the step's groups
+        await actor.stage_weights(version=v)                      # disk: rank 0 writes them now
         await actor.sync_weights(engine, version=v)               # engines paused by the controller
 
 Tasks (all in `open()`'s TaskGroup, so a failure cancels the caller's block and surfaces as
@@ -145,6 +146,7 @@ class TrainerActor:
         self._device = "cpu"
         self._bcast: _WeightGroup | None = None
         self._bcast_failure: str | None = None
+        self._staged: tuple[int, Path] | None = None  # the version `stage_weights` wrote, and where
         """Why the last push by broadcast went by disk (None once one succeeds)."""
         self.bcast_failures = 0
         """Pushes by broadcast that went by disk instead."""
@@ -459,9 +461,22 @@ class TrainerActor:
         metrics["train/masked_offpolicy_tokens"] = float(step_data.masked_offpolicy)
         return metrics
 
+    async def stage_weights(self, *, version: int) -> bool:
+        """Disk mode: rank 0 writes the weights now, and the push's load needs no rank (True). A
+        broadcast needs rank 0 in the collective: nothing to stage (False)."""
+        if self.cfg.update_weight_transfer_mode != "disk":
+            return False
+        self._staged = (version, await self.write_weights(version))
+        return True
+
     async def sync_weights(self, engine: InferenceEngine, *, version: int) -> None:
         if self.cfg.update_weight_transfer_mode == "disk":
-            path = await self.write_weights(version)
+            staged, self._staged = self._staged, None
+            path = (
+                staged[1]
+                if staged is not None and staged[0] == version
+                else await self.write_weights(version)
+            )
             await engine.update_weights_from_disk(str(path), version=version)
         else:
             await self._sync_broadcast(engine, version)
