@@ -400,7 +400,7 @@ class DriverConfig:
         "With the disk transfer: once rank 0 has written the weights, the engines' pause, load and continue "
         "run alongside the next step's training (as prime-rl's trainer never waits for its inference "
         "servers). Pays where trainer and engines have their own devices; on one shared CPU they compete "
-        "for it (docs/learning.md).",
+        "for it (docs/guide/fully-async.md).",
     )
     save: Path | None = opt(None, "Checkpoint directory.")
     save_interval: int | None = opt(None, "Save a checkpoint every N steps (needs --save).")
