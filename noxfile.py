@@ -65,7 +65,16 @@ def docs(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Run the benchmarks, write their JSON under bench-results/, regenerate docs/benchmarks.md (~18 min)."""
     install_project(session, "test")
-    for name in ("pipeline", "client", "engine", "weight_sync", "soak", "agent_sessions"):
+    for name in (
+        "pipeline",
+        "client",
+        "engine",
+        "group_prefill",
+        "weight_sync",
+        "trainer_data",
+        "soak",
+        "agent_sessions",
+    ):
         session.run("python", "-m", f"benchmarks.{name}", "--output", f"bench-results/{name}.json")
     simulate = ("python", "-m", "benchmarks.simulate", "--validate")
     session.run(*simulate, "--output", "bench-results/simulate.json")

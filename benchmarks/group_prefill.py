@@ -1,6 +1,7 @@
 """What prefilling a GRPO group's prompt once saves the embedded engine, at the quickstart's shape.
 
     python -m benchmarks.group_prefill [--groups 32] [--n 8] [--prompt-len 6] [--new-tokens 4] [--repeats 12]
+                                       [--output bench-results/group_prefill.json]
 
 In this process: the real scheduler (`LocalEngine`) and runner, one compute thread, on a tiny Llama as the
 quickstart builds it (hidden 128, 2 layers, character vocabulary). Each batch is `--groups` random prompts
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import statistics
 import tempfile
@@ -80,6 +82,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=6, help="tokens per prompt (quickstart: 6)")
     p.add_argument("--new-tokens", type=int, default=4)
     p.add_argument("--repeats", type=int, default=12)
+    p.add_argument("--output", type=Path, default=None, help="write the results here (JSON)")
     a = p.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
@@ -92,6 +95,10 @@ def main() -> None:
         print(f"  threshold {name:13s} {m * 1000:7.1f} ms per batch (median of {a.repeats})")
     base, ours = med["sglang (32)"], med["embedded (2)"]
     print(f"  ratio embedded / sglang: {ours / base:.2f}")
+    if a.output is not None:
+        a.output.parent.mkdir(parents=True, exist_ok=True)
+        shape = {k: getattr(a, k) for k in ("groups", "n", "prompt_len", "new_tokens", "repeats")}
+        a.output.write_text(json.dumps({**shape, "median_s": med, "ratio": ours / base}, indent=1))
 
 
 if __name__ == "__main__":

@@ -187,6 +187,55 @@ def engine_section(d: dict[str, Any]) -> list[str]:
     return lines
 
 
+def group_prefill_section(d: dict[str, Any]) -> list[str]:
+    med = d["median_s"]
+    return [
+        "## A group's prompt prefilled once (`benchmarks.group_prefill`)",
+        "",
+        f"The embedded engine's scheduler and runner in one process: batches of {d['groups']} random "
+        f"{d['prompt_len']}-token prompts × {d['n']} samples × {d['new_tokens']} new tokens, the in-batch "
+        "sharing threshold alternating between SGLang's 32 (each sample prefills its prompt) and the "
+        "embedded engine's 2 (one sample prefills it, the others start from its cached KV a step later); "
+        f"median of {d['repeats']} batches each.",
+        "",
+        "| threshold | ms per batch |",
+        "|---|---|",
+        *(f"| {name} | {s * 1000:.1f} |" for name, s in med.items()),
+        "",
+        f"Ratio embedded / sglang: {d['ratio']:.2f}.",
+        "",
+    ]
+
+
+_SENT_TO = {"source": "group's first rank", "every": "every rank"}  # TP 1: every rank is its group
+
+
+def trainer_data_section(d: dict[str, Any]) -> list[str]:
+    a = d["args"]
+    lines = [
+        "## The trainer's data path at 8 and 64 ranks (`benchmarks.trainer_data`)",
+        "",
+        f"The real `TrainerActor` sending {a['samples']} samples of {a['prompt_len']} + {a['response_len']} "
+        "tokens per step to simulated ranks (threads of one child process, on this machine's cores) that "
+        "decode their shard and answer at once; ranks × TP, the ranks of a TP group getting the same shard. "
+        "Medians over the steps after the first. prep = sharding and encoding, before the first byte goes "
+        "out; first / last = until the first / last rank holds its whole shard.",
+        "",
+        "| ranks | TP | DP | sent to | MB per step | MB per rank | controller CPU s | prep s | first s "
+        "| last s | step s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in d["layouts"]:
+        sent_to = _SENT_TO["every" if r["tp"] == 1 else r["send"]]
+        lines.append(
+            f"| {r['ranks']} | {r['tp']} | {r['dp']} | {sent_to} | {r['bytes'] / 1e6:.1f} | "
+            f"{r['bytes_per_rank'] / 1e6:.2f} | "
+            f"{r['cpu_s']:.3f} | {r['prepare_s']:.3f} | {r['first_rank_s']:.3f} | {r['last_rank_s']:.3f} | "
+            f"{r['step_s']:.3f} |"
+        )
+    return [*lines, ""]
+
+
 def weight_sync_section(d: dict[str, Any]) -> list[str]:
     lines = [
         "## Weight-sync cost (`benchmarks.weight_sync`)",
@@ -505,7 +554,9 @@ def main() -> None:
         ("pipeline", lambda d: pipeline_section(d, images)),
         ("client", client_section),
         ("engine", engine_section),
+        ("group_prefill", group_prefill_section),
         ("weight_sync", weight_sync_section),
+        ("trainer_data", trainer_data_section),
         ("soak", soak_section),
         ("controller", controller_section),
         ("simulate", simulate_section),

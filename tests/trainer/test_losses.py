@@ -7,6 +7,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from miles_aio.trainer import losses
 from miles_aio.trainer.losses import LossSettings, TrainRow
@@ -254,6 +256,24 @@ def test_shard_batch_splits_steps_then_dp_ranks() -> None:
         sum(s.response_length for s in flat[4:]),
     ]
     assert len(out.advantages) == 8
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ints=st.lists(st.integers(-(2**63), 2**63 - 1), max_size=50),
+    floats=st.lists(st.floats(allow_nan=False, width=64), max_size=50),
+)
+def test_tensor_of_equals_torch_tensor(ints: list[int], floats: list[float]) -> None:
+    """The fast list → tensor path gives torch.tensor's values, dtypes and float32 rounding (and empties)."""
+    for values, dtype in ((ints, torch.int64), (floats, torch.float32), ([1, 0, 1], torch.float32)):
+        fast, slow = losses.tensor_of(values, dtype), torch.tensor(values, dtype=dtype)
+        assert fast.dtype == slow.dtype and fast.shape == slow.shape
+        assert torch.equal(fast, slow)
+
+
+def test_tensor_of_refuses_what_torch_refuses() -> None:
+    with pytest.raises(TypeError):
+        losses.tensor_of([1, None, 3], torch.int64)  # type: ignore[list-item]
 
 
 def test_mask_offpolicy_keeps_only_the_newest_versions_tokens() -> None:

@@ -142,6 +142,7 @@ class TrainerActor:
         self._tg: asyncio.TaskGroup | None = None
         self._aux: list[asyncio.Task[None]] = []
         self._dp_of: dict[int, int] = {}
+        self._shard_source: dict[int, int] = {}  # rank → the rank the controller sends its shard to
         self._dp_size = 1
         self._device = "cpu"
         self._bcast: _WeightGroup | None = None
@@ -276,6 +277,7 @@ class TrainerActor:
                 )
         replies = await self._call(InitRequest(config=self.cfg.to_json()))
         self._dp_of = {r: m.dp_rank for r, m in replies.items()}
+        self._shard_source = {r: m.shard_source for r, m in replies.items()}
         self._dp_size = replies[0].dp_size
         self._device = replies[0].device
         self.wrapper = replies[0].wrapper
@@ -450,9 +452,15 @@ class TrainerActor:
             processed_rewards=post(batch) if post is not None else None,
         )
         encoded = [protocol.encode_batch(rows) for rows in step_data.shards]
+        # Each shard goes once to its model-parallel group's source rank, which passes it on to the group
+        # (`rank_main.share_shard`); the others get the command with no tensors.
         replies = await self._call(
             {
-                r: TrainRequest(step=step, num_tokens=step_data.num_tokens, batch=encoded[d])
+                r: TrainRequest(
+                    step=step,
+                    num_tokens=step_data.num_tokens,
+                    batch=encoded[d] if self._shard_source.get(r, r) == r else {},
+                )
                 for r, d in self._dp_of.items()
             }
         )
@@ -645,7 +653,7 @@ class TrainerActor:
     ) -> list[torch.Tensor]:
         """Current-policy log-probs of the last `response_lengths[i]` tokens of each `tokens[i]`."""
         rows = [
-            losses.TrainRow(torch.tensor(list(t), dtype=torch.int64), r, torch.ones(r), torch.zeros(r), 0.0)
+            losses.TrainRow(losses.tensor_of(t, torch.int64), r, torch.ones(r), torch.zeros(r), 0.0)
             for t, r in zip(tokens, response_lengths, strict=True)
         ]
         reply = (await self._call(LogprobsRequest(batch=protocol.encode_batch(rows))))[0]

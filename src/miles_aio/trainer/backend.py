@@ -87,6 +87,10 @@ class ModelBackend(Protocol):
     dp_rank: int
     dp_size: int
     dp_group: dist.ProcessGroup | None
+    shard_group: dist.ProcessGroup | None
+    """The ranks that train on the same shard (megatron's TP × PP group), or None: each rank its own."""
+    shard_source: int
+    """The global rank of `shard_group` that the controller sends the shard to (this rank if no group)."""
     optimizer: torch.optim.Optimizer
     hf_source: Path
 
@@ -152,6 +156,8 @@ class HFBackend:
         self.module, self.device = module, device
         self.dp_rank, self.dp_size = dist.get_rank(), world
         self.dp_group: dist.ProcessGroup | None = None
+        self.shard_group: dist.ProcessGroup | None = None  # every rank is a data-parallel rank of its own
+        self.shard_source = dist.get_rank()
         self.tied = bool(getattr(module.config, "tie_word_embeddings", False))
         self.wrapper: str = cfg.fsdp_wrap if cfg.fsdp_wrap != "auto" else ("fsdp2" if world > 1 else "none")
         self.model: torch.nn.Module = module

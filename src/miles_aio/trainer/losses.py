@@ -15,9 +15,11 @@ batch: a token mean over the global batch.
 
 from __future__ import annotations
 
+import array
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Final
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +48,7 @@ __all__ = [
     "scalar_reward",
     "shard_batch",
     "split_micro_batches",
+    "tensor_of",
     "tis_weights",
     "token_log_probs",
 ]
@@ -579,16 +582,31 @@ def shard_batch(
         kept = sum(mask)
         masked_offpolicy += sum(s.loss_mask) - kept if mask_offpolicy else 0
         row = TrainRow(
-            tokens=torch.tensor(s.tokens, dtype=torch.int64),
+            tokens=tensor_of(s.tokens, torch.int64),
             response_length=s.response_length,
-            loss_mask=torch.tensor(mask, dtype=torch.float32),
-            rollout_logp=torch.tensor(s.rollout_log_probs, dtype=torch.float32),
+            loss_mask=tensor_of(mask, torch.float32),
+            rollout_logp=tensor_of(s.rollout_log_probs, torch.float32),
             advantage=adv,
             opt_step=j,
         )
         shards[(i % global_batch_size) // per_dp].append(row)
         num_tokens[j] += float(kept)
     return StepShards(shards, num_tokens, advantages, masked_offpolicy)
+
+
+_TYPECODES: Final = {torch.int64: "q", torch.float32: "f"}
+
+
+def tensor_of(values: Sequence[float], dtype: torch.dtype) -> torch.Tensor:
+    """A 1-D tensor of `values` (int64 or float32), built through `array.array`: one C loop over the list,
+    3-4× faster than `torch.tensor(list)`, which inspects every element's type (a batch of 256 samples of
+    1,500 tokens took the controller's loop 0.15 s per step that way, `benchmarks.trainer_data`)."""
+    if len(values):
+        try:
+            return torch.frombuffer(array.array(_TYPECODES[dtype], values), dtype=dtype)  # keeps the array
+        except (TypeError, OverflowError):
+            pass  # not plain numbers: torch's own conversion, and its own error
+    return torch.tensor(values, dtype=dtype)
 
 
 def newest_version_mask(s: Sample) -> list[int]:

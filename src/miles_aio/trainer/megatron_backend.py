@@ -82,6 +82,15 @@ class MegatronBackend:
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.dp_group: dist.ProcessGroup | None = ps.get_data_parallel_group()
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        # The TP × PP ranks of one data-parallel replica train on the same shard: the controller sends it
+        # to the group's first rank only, which passes it on (`rank_main.share_shard`, NCCL on GPUs), so
+        # the controller's one process sends each shard once, not TP × PP times.
+        self.shard_group: dist.ProcessGroup | None = ps.get_model_parallel_group() if tp * pp > 1 else None
+        self.shard_source = (
+            dist.get_process_group_ranks(self.shard_group)[0]
+            if self.shard_group is not None
+            else dist.get_rank()
+        )
         self.wrapper = f"megatron(tp={tp},pp={pp},dp={self.dp_size})"
 
         self.h, self.nh, self.ng = hf["hidden_size"], hf["num_attention_heads"], hf["num_key_value_heads"]

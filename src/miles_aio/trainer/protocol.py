@@ -55,6 +55,7 @@ from miles_aio._durable import fsync_dir, fsync_path
 from miles_aio.trainer.losses import TrainRow
 
 __all__ = [
+    "BATCH_FIELDS",
     "FRAME_PREFIX",
     "HELLO_LEN",
     "MAX_BLOB_BYTES",
@@ -315,6 +316,9 @@ def reply_to(req: Request[R], reply: R) -> R:
 class InitReply(Reply, frozen=True):
     dp_rank: int
     dp_size: int
+    shard_source: int
+    """The rank that receives this rank's training shard from the controller and passes it on to the
+    other ranks of its model-parallel group (itself when it is that rank, or has no group)."""
     wrapper: str
     device: str
     threads: int
@@ -510,8 +514,20 @@ def decode_request(msg: Message) -> AnyRequest:
 
 
 # -- training batches ------------------------------------------------------------------------------------
+BATCH_FIELDS: Final = {
+    "tokens": torch.int64,
+    "lengths": torch.int64,
+    "response_lengths": torch.int64,
+    "loss_mask": torch.float32,
+    "rollout_logp": torch.float32,
+    "advantages": torch.float64,
+    "opt_steps": torch.int64,
+}
+"""The flat tensors of an encoded shard, in order, and their dtypes."""
+
+
 def encode_batch(rows: Sequence[TrainRow]) -> dict[str, torch.Tensor]:
-    """A rank's shard as flat tensors (ids, lengths, per-token arrays concatenated)."""
+    """A rank's shard as flat tensors (ids, lengths, per-token arrays concatenated), `BATCH_FIELDS`."""
     if not rows:
         raise ValueError("empty shard")
     return {

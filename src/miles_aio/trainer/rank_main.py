@@ -125,6 +125,7 @@ class RankWorker:
         return InitReply(
             dp_rank=be.dp_rank,
             dp_size=be.dp_size,
+            shard_source=be.shard_source,
             wrapper=be.wrapper,
             device=str(self.device),
             threads=torch.get_num_threads(),
@@ -180,7 +181,10 @@ class RankWorker:
     def train(self, req: TrainRequest) -> TrainReply:
         cfg, be = self.cfg, self.backend
         t0 = time.monotonic()
-        rows = protocol.decode_batch(req.batch)
+        batch = req.batch
+        if be.shard_group is not None:
+            batch = share_shard(batch, group=be.shard_group, source=be.shard_source, device=self.device)
+        rows = protocol.decode_batch(batch)
         num_tokens = req.num_tokens
         mbsize, max_tokens = cfg.micro_batch_size, cfg.max_tokens_per_gpu
         split = functools.partial(losses.split_micro_batches, micro_batch_size=mbsize, max_tokens=max_tokens)
@@ -549,6 +553,26 @@ def _serve(chan: BlockingChannel, rank: int, world: int) -> int:
                 raise RuntimeError(f"command {req.op!r} before init")
             case _:
                 chan.send_message(worker.handle(req))
+
+
+def share_shard(
+    batch: Mapping[str, torch.Tensor], *, group: dist.ProcessGroup, source: int, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """The shard that the controller sent `source` (`protocol.encode_batch`'s tensors), on every rank of
+    `group`; the others arrive with none. Consumes: on `source`, its `batch`. Waits for: every rank of
+    `group` (two broadcasts per field's sizes and data, on `device`: NCCL needs the GPU). No pickling."""
+    fields = protocol.BATCH_FIELDS
+    mine = dist.get_rank() == source
+    if mine and set(batch) != set(fields):
+        raise protocol.ProtocolError(f"a shard has the fields {sorted(fields)}, got {sorted(batch)}")
+    sizes = torch.tensor([batch[k].numel() if mine else 0 for k in fields], dtype=torch.int64, device=device)
+    dist.broadcast(sizes, src=source, group=group)
+    out: dict[str, torch.Tensor] = {}
+    for (name, dtype), n in zip(fields.items(), sizes.tolist(), strict=True):
+        t = batch[name].to(device, dtype) if mine else torch.empty(n, dtype=dtype, device=device)
+        dist.broadcast(t, src=source, group=group)
+        out[name] = t.cpu()
+    return out
 
 
 def main() -> int:
