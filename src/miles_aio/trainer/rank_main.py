@@ -560,7 +560,8 @@ def share_shard(
 ) -> dict[str, torch.Tensor]:
     """The shard that the controller sent `source` (`protocol.encode_batch`'s tensors), on every rank of
     `group`; the others arrive with none. Consumes: on `source`, its `batch`. Waits for: every rank of
-    `group` (two broadcasts per field's sizes and data, on `device`: NCCL needs the GPU). No pickling."""
+    `group` (one broadcast of the fields' sizes, then one per field, on `device`: NCCL needs the GPU; the
+    dtypes are `protocol.BATCH_FIELDS`'s, so nothing is pickled)."""
     fields = protocol.BATCH_FIELDS
     mine = dist.get_rank() == source
     if mine and set(batch) != set(fields):
