@@ -10,7 +10,10 @@ trainer. Three parts:
 
   ceiling  real time, one core, engines that answer at once (a decode step of 1 ns): the most samples/s
            and requests/s the controller's own path sustains (worker → pool → limiter → engine → buffer →
-           drain → metrics), at 1 and at ~200 response tokens per sample and 1 and 4 turns per sample.
+           drain → metrics), at 1 and at ~200 response tokens per sample and 1 and 4 turns per sample;
+           and the same path with no engine model at all (`InstantEngine`: each request answered on the
+           next loop pass, as an HTTP response wakes its future; `ceiling/i` in the printed table), the
+           controller's cost alone.
   scale    virtual time (looptime): 1 … 1,024 engines × 64 running requests each (up to 65,536 in
            flight), 1 and 4 turns. The engines' figures (samples/s of the simulated cluster) are what the
            cluster would do; the controller's CPU per sample, measured in real time over the run, says
@@ -42,7 +45,7 @@ import pstats
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Hashable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -57,10 +60,10 @@ from miles_aio.data.source import DataSource, PromptRecord
 from miles_aio.plugins import resolve_plugins
 from miles_aio.rollout.context import RolloutContext
 from miles_aio.rollout.single_turn import prompt_token_ids
-from miles_aio.testing import FakeTokenizer, FakeTrainer
-from miles_aio.types import RunSummary, Sample, Status
+from miles_aio.testing import FakeLatencyEngine, FakeTokenizer, FakeTrainer
+from miles_aio.types import GenerateOutput, RunSummary, Sample, Status
 
-__all__ = ["Case", "main", "measure", "multi_turn"]
+__all__ = ["Case", "InstantEngine", "main", "measure", "multi_turn"]
 
 T = TypeVar("T")
 N = 8  # samples per group
@@ -95,6 +98,7 @@ class Case:
     p99_tokens: float = 1000.0
     per_token_s: float = 0.02  # decode step with no other request running
     steps: int = 6
+    engine: str = "sim"  # sim (the simulator's engines) | instant (`InstantEngine`: no engine model)
     clock: str = "virtual"  # virtual | real
     seconds: float = 0.0  # real clock with seconds > 0: run for that long, then stop
 
@@ -126,6 +130,35 @@ class Case:
         )
 
 
+class InstantEngine(FakeLatencyEngine):
+    """A FAKE engine with no engine model: every request gets one token at the current version, on the
+    loop's next pass (as a response read from a socket wakes its request) — what is left to measure is
+    the controller's own path."""
+
+    def __init__(self) -> None:
+        super().__init__(lengths=lambda rng: 1.0)
+        self._live = 0
+
+    async def generate(
+        self, *, input_ids: list[int], sampling_params: Mapping[str, Any], routing_key: Hashable | None = None
+    ) -> GenerateOutput:
+        self.requests += 1
+        self._live += 1
+        self.max_in_flight = max(self.max_in_flight, self._live)
+        try:
+            await asyncio.sleep(0)
+        finally:
+            self._live -= 1
+        return GenerateOutput(
+            text="",
+            output_ids=[7],
+            output_log_probs=[-1.0],
+            weight_versions=[self.version],
+            finish_reason="stop",
+            prompt_tokens=len(input_ids),
+        )
+
+
 class _StepRss:
     """A metrics sink: the resident memory at every step (virtual or real clock alike)."""
 
@@ -151,7 +184,7 @@ def _controller(case: Case, run_dir: Path) -> tuple[Controller, Any, _StepRss]:
             rc.rollout, custom_generate_function_path="benchmarks.controller:multi_turn"
         )
         rc = dataclasses.replace(rc, rollout=rollout)
-    engine = sim_engine(sim, fast_ids=True)
+    engine = InstantEngine() if case.engine == "instant" else sim_engine(sim, fast_ids=True)
     groups = (case.steps + 2) * case.groups_per_step + case.in_flight // N
     records = [PromptRecord(f"p{i}") for i in range(max(1000, min(groups, 100_000)))]
     rss = _StepRss()
@@ -279,6 +312,7 @@ def cases(quick: bool, real_seconds: float) -> list[Case]:
     if quick:
         return [
             zero(engines=1, per_engine=128, p50_tokens=1, p99_tokens=1, steps=4),
+            zero(engines=1, per_engine=128, p50_tokens=1, p99_tokens=1, steps=4, engine="instant"),
             zero(engines=1, per_engine=128, turns=4, steps=2),
             Case(part="scale", engines=8, per_engine=64, steps=3),
             Case(part="scale", engines=8, per_engine=64, turns=4, steps=2),
@@ -289,6 +323,7 @@ def cases(quick: bool, real_seconds: float) -> list[Case]:
         zero(engines=1, per_engine=128, steps=100),
         zero(engines=1, per_engine=128, turns=4, steps=40),
         zero(engines=16, per_engine=256, p50_tokens=1, p99_tokens=1, steps=12),
+        zero(engines=16, per_engine=256, p50_tokens=1, p99_tokens=1, steps=40, engine="instant"),
     ]
     scale = [
         Case(part="scale", engines=e, per_engine=64, turns=t, steps=6 if e < 256 else 2)
@@ -306,8 +341,9 @@ def cases(quick: bool, real_seconds: float) -> list[Case]:
 def _row(r: dict[str, Any]) -> str:
     lag = r.get("loop_lag_ms")
     rate = r.get("samples_per_s", r.get("cluster_samples_per_s"))
+    part = r["part"] + ("/i" if r.get("engine") == "instant" else "")
     return (
-        f"{r['part']:8} {r['engines']:5} {r['in_flight']:7} {r['turns']:3} {r['samples']:8} "
+        f"{part:10} {r['engines']:5} {r['in_flight']:7} {r['turns']:3} {r['samples']:8} "
         f"{rate or 0:10.0f} {r['cpu_us_per_sample']:9.1f} {r['cpu_us_per_request']:8.1f} "
         f"{r['ceiling_samples_per_s'] or 0:9} "
         + (f"{lag['p50']:6.2f} {lag['p99']:7.2f} {lag['max']:7.1f}" if lag else " " * 22)
@@ -316,7 +352,7 @@ def _row(r: dict[str, Any]) -> str:
 
 
 HEADER = (
-    f"{'part':8} {'eng':>5} {'flight':>7} {'trn':>3} {'samples':>8} {'samples/s':>10} {'cpu µs/s':>9} "
+    f"{'part':10} {'eng':>5} {'flight':>7} {'trn':>3} {'samples':>8} {'samples/s':>10} {'cpu µs/s':>9} "
     f"{'µs/req':>8} {'ceiling':>9} {'lag50':>6} {'lag99':>7} {'lagmax':>7} {'rss MiB':>8}"
 )
 

@@ -277,8 +277,9 @@ def controller_section(d: dict[str, Any]) -> list[str]:
         "",
         "Real controller, the simulator's continuous-batching engines (64 running per engine in `scale`), "
         "zero-time trainer. CPU µs are the process's CPU time over the run per sample and per engine "
-        "request (fake engines included); ceiling = samples/s one core sustains at that cost. See "
-        "[the scale model](guide/scaling.md).",
+        "request (fake engines included); ceiling = samples/s one core sustains at that cost; "
+        "*ceiling, no engine model* rows use `InstantEngine` (each request answered on the next loop pass): "
+        "the controller's cost alone. See [the scale model](guide/scaling.md).",
         "",
         "| part | engines | in flight | turns | samples | CPU µs/sample | CPU µs/request | ceiling samples/s "
         "| loop lag p50 / p99 / max ms | RSS MiB |",
@@ -288,11 +289,15 @@ def controller_section(d: dict[str, Any]) -> list[str]:
         lag = r.get("loop_lag_ms")
         lag_cell = f"{lag['p50']} / {lag['p99']} / {lag['max']}" if lag else "(virtual time)"
         lines.append(
-            f"| {r['part']} | {r['engines']} | {r['in_flight']} | {r['turns']} | {r['samples']} "
+            f"| {_part(r)} | {r['engines']} | {r['in_flight']} | {r['turns']} | {r['samples']} "
             f"| {r['cpu_us_per_sample']} | {r['cpu_us_per_request']} | {r['ceiling_samples_per_s']} "
             f"| {lag_cell} | {r['rss_mib']['peak_step']} |"
         )
     return [*lines, "", "![controller](images/controller.png)", ""]
+
+
+def _part(r: dict[str, Any]) -> str:
+    return f"{r['part']}, no engine model" if r.get("engine") == "instant" else str(r["part"])
 
 
 def _ratios(s: dict[str, Any]) -> str:

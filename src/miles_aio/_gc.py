@@ -20,7 +20,16 @@ While the controller runs:
   reach and lowers it once the interval has passed, so the next generation-1 pass becomes a full one.
   Young passes still run as usual, so short-lived cycles are freed promptly;
 * generation 1 is collected every `YOUNG_EVERY` generation-0 passes instead of 10, so each of those
-  passes walks fewer objects: more, shorter pauses (2.8 ms on average).
+  passes walks fewer objects: more, shorter pauses (2.8 ms on average);
+* young passes are also paced by work: every `YOUNG_EVERY_REQUESTS` engine requests (`request_done()`,
+  called by the rollout context's engine) the young generations are collected. CPython starts a young
+  pass when the tracked objects allocated *minus those freed* since the last one exceed 700, and freeing
+  an old object counts like freeing a young one. In steady state the controller frees a finished
+  request's objects (old by then: they lived for the request's seconds) about as fast as it makes the
+  next one's, so that count stays near zero while the young generation grows by tens of thousands of
+  objects, and the pass that finally comes walks them all: at 50,000 requests in flight, young passes
+  of 10–30 ms that held the loop lag's p99 at 23–39 ms (`benchmarks.soak`). Counting requests bounds
+  each pass by what a few dozen requests leave behind.
 
 Non-cyclic garbage is freed by reference counting whatever the collector does; what waits longer is only
 reference cycles that reached the oldest generation before they became garbage (`benchmarks.soak`
@@ -37,7 +46,16 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Final
 
-__all__ = ["FULL_EVERY", "FULL_EVERY_S", "YOUNG_EVERY", "FullPassPacer", "full_pass_due", "paced_gc"]
+__all__ = [
+    "FULL_EVERY",
+    "FULL_EVERY_S",
+    "YOUNG_EVERY",
+    "YOUNG_EVERY_REQUESTS",
+    "FullPassPacer",
+    "full_pass_due",
+    "paced_gc",
+    "request_done",
+]
 
 FULL_EVERY: Final = 1000
 """Generation-1 passes between two full collections, at least (CPython's default: 10)."""
@@ -45,6 +63,8 @@ FULL_EVERY_S = 600.0
 """Seconds of wall time between two full collections, at least, while a controller runs."""
 YOUNG_EVERY: Final = 2
 """Generation-0 passes between two generation-1 passes (CPython's default: 10)."""
+YOUNG_EVERY_REQUESTS: Final = 32
+"""Engine requests between two young passes paced by work (`request_done`)."""
 OUT_OF_REACH: Final = 2**30
 """A generation-2 threshold no count reaches: no automatic full pass."""
 
@@ -61,7 +81,7 @@ class FullPassPacer:
 
     def __init__(self, every_s: float, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.every_s = every_s
-        self._clock = clock
+        self.clock = clock
         self.last_full = clock()
         self.full_passes = 0
 
@@ -70,24 +90,43 @@ class FullPassPacer:
             return
         young, middle, _ = gc.get_threshold()
         if info["generation"] == 2:
-            self.last_full = self._clock()
+            self.last_full = self.clock()
             self.full_passes += 1
             gc.set_threshold(young, middle, OUT_OF_REACH)
-        elif full_pass_due(now=self._clock(), last_full=self.last_full, every_s=self.every_s):
+        elif full_pass_due(now=self.clock(), last_full=self.last_full, every_s=self.every_s):
             gc.set_threshold(young, middle, FULL_EVERY)
 
 
 _active: list[tuple[tuple[int, int, int], FullPassPacer]] = []
 """One entry per block in progress: the thresholds before the first of them, and its hook."""
+_requests = 0
+"""Engine requests done since the last young pass paced by work."""
+
+
+def request_done() -> None:
+    """One engine request finished: every `YOUNG_EVERY_REQUESTS`th, while a `paced_gc()` block runs,
+    collect the young generations (the oldest too, once a full pass is due). Outside a block: nothing."""
+    global _requests
+    if not _active:
+        return
+    _requests += 1
+    if _requests < YOUNG_EVERY_REQUESTS:
+        return
+    _requests = 0
+    pacer = _active[0][1]
+    full = full_pass_due(now=pacer.clock(), last_full=pacer.last_full, every_s=pacer.every_s)
+    gc.collect(2 if full else 1)  # the pacer's hook sees it as any other pass
 
 
 @contextlib.asynccontextmanager
 async def paced_gc() -> AsyncIterator[None]:
     """Freeze what exists now and pace the collector as the module docstring says, for the block."""
+    global _requests
     if _active:
         _active.append(_active[0])
     else:
         before = gc.get_threshold()
+        _requests = 0
         gc.freeze()
         pacer = FullPassPacer(FULL_EVERY_S)
         gc.set_threshold(before[0], min(before[1], YOUNG_EVERY), OUT_OF_REACH)

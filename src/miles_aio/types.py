@@ -120,8 +120,13 @@ class Sample:
     def oldest_weight_version(self) -> int | None:
         """The oldest policy version among the generated tokens, or None if none is known."""
         versions = self.weight_versions
-        if None not in versions:  # the common case, scanned in C: no per-token Python loop
-            return min(cast("list[int]", versions)) if versions else None
+        if not versions:
+            return None
+        first = versions[0]
+        if versions.count(first) == len(versions):  # one policy made it all (most samples): one C scan
+            return first
+        if None not in versions:
+            return min(cast("list[int]", versions))
         known = [v for v in versions if v is not None]
         return min(known) if known else None
 

@@ -24,6 +24,9 @@ def test_the_quick_cases_run_and_report_every_figure() -> None:
         assert len(_row(r)) >= len(HEADER) - 10
     multi = next(r for r in results if r["part"] == "scale" and r["turns"] == 4)
     assert multi["requests"] > multi["samples"]  # several engine calls per sample
+    instant = next(r for r in results if r["engine"] == "instant")  # the controller's cost alone
+    assert instant["part"] == "ceiling" and instant["requests"] >= instant["samples"] > 0
+    assert "/i" in _row(instant)
     lag = next(r for r in results if r["part"] == "lag")
     assert set(lag["loop_lag_ms"]) == {"p50", "p99", "max"} and "rss_kib_per_in_flight_request" in lag
 

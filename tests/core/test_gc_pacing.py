@@ -9,7 +9,7 @@ import gc
 import pytest
 
 from miles_aio import _gc
-from miles_aio._gc import FULL_EVERY, OUT_OF_REACH, YOUNG_EVERY, FullPassPacer, paced_gc
+from miles_aio._gc import FULL_EVERY, OUT_OF_REACH, YOUNG_EVERY, YOUNG_EVERY_REQUESTS, FullPassPacer, paced_gc
 
 pytestmark = pytest.mark.pure
 
@@ -116,3 +116,75 @@ def _full_passes_while_allocating(every_s: float, monkeypatch: pytest.MonkeyPatc
 def test_no_full_pass_runs_before_its_interval_and_one_does_after(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _full_passes_while_allocating(3600.0, monkeypatch) == 0
     assert _full_passes_while_allocating(0.0, monkeypatch) >= 1
+
+
+class _Node:
+    """A tracked object, as a request's futures and coroutines are (a dict of atomic values is not)."""
+
+
+def _young_objects_while_replacing_old_ones(n: int, *, requests: bool) -> int:
+    """The most objects the young generations held while `n` old objects were freed and `n` new ones
+    kept, one of each per "request" (a finished request's objects are old: they lived for its seconds),
+    with `request_done()` after each one or not."""
+    most = 0
+
+    async def main() -> None:
+        nonlocal most
+        old = [_Node() for _ in range(n)]
+        async with paced_gc():  # freezes `old`: the oldest objects there are
+            new = []
+            for i in range(n):
+                new.append(_Node())
+                old.pop()
+                if requests:
+                    _gc.request_done()
+                if i % 500 == 0:
+                    most = max(most, len(gc.get_objects(0)) + len(gc.get_objects(1)))
+
+    asyncio.run(main())
+    return most
+
+
+def test_young_passes_paced_by_requests_keep_the_young_generation_small() -> None:
+    # CPython counts tracked allocations minus deallocations, old or young: freeing an old object per
+    # new one keeps the count under its threshold, and the young generation grows without a pass
+    assert _young_objects_while_replacing_old_ones(20_000, requests=False) > 19_000
+    assert _young_objects_while_replacing_old_ones(20_000, requests=True) < 10 * YOUNG_EVERY_REQUESTS
+
+
+def test_request_done_collects_the_young_generations_every_n_requests_inside_a_block_only() -> None:
+    passes: list[int] = []
+
+    def seen(phase: str, info: dict[str, int]) -> None:
+        if phase == "stop":
+            passes.append(info["generation"])
+
+    async def requests(k: int) -> None:
+        for _ in range(k):
+            _gc.request_done()
+
+    async def main() -> list[int]:
+        async with paced_gc():
+            gc.callbacks.append(seen)
+            try:
+                await requests(YOUNG_EVERY_REQUESTS - 1)
+                before = list(passes)
+                await requests(1)
+                return before
+            finally:
+                gc.callbacks.remove(seen)
+
+    gc.disable()  # no automatic pass in the way: only the paced ones are counted
+    try:
+        assert asyncio.run(main()) == []
+        assert passes == [1]
+        passes.clear()
+        gc.callbacks.append(seen)
+        try:
+            for _ in range(3 * YOUNG_EVERY_REQUESTS):
+                _gc.request_done()  # no block: the collector is left as it is
+        finally:
+            gc.callbacks.remove(seen)
+        assert passes == []
+    finally:
+        gc.enable()

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from miles_aio.types import (
     BufferItem,
@@ -107,3 +109,49 @@ def test_token_staleness_histogram_is_token_weighted_over_trained_tokens() -> No
         "rollout/token_staleness/4+": 4 / 8,
     }
     assert sum(token_staleness_histogram([s], version=None).values()) == 0.0
+
+
+_segments = st.lists(
+    st.tuples(st.integers(0, 6), st.one_of(st.none(), st.integers(0, 300)), st.booleans()), max_size=5
+)
+
+
+@given(st.lists(_segments, min_size=1, max_size=6), st.integers(0, 6))
+def test_staleness_metrics_equal_a_per_token_count(
+    samples_segments: list[list[tuple[int, int | None, bool]]], ahead: int
+) -> None:
+    """The per-sample fast paths (one policy per sample: a C scan) give exactly what counting every
+    trained token gives, for samples that mix versions, unknown versions and untrained context."""
+    from collections import Counter
+
+    from miles_aio.metrics import rollout_batch_metrics, token_staleness_histogram
+
+    samples = []
+    for i, segments in enumerate(samples_segments):
+        s = Sample(group_index=0, index=i, prompt="p", reward=1.0)
+        for n, v, trained in segments:
+            if trained:
+                s.append(out(n, v))
+            else:
+                s.append_context([1] * n)
+        samples.append(s)
+    version = max((v for s in samples for v in s.weight_versions if v is not None), default=0) + ahead
+    by_version: Counter[int] = Counter()
+    for s in samples:
+        for v, m in zip(s.weight_versions, s.loss_mask, strict=True):
+            if m and v is not None:
+                by_version[v] += 1
+    total = sum(by_version.values())
+    buckets = Counter({k: 0 for k in ("0", "1", "2", "3", "4+")})
+    for v, c in by_version.items():
+        buckets[("0", "1", "2", "3", "4+")[min(version - v, 4)]] += c
+    expected = {f"rollout/token_staleness/{k}": c / total if total else 0.0 for k, c in buckets.items()}
+    assert token_staleness_histogram(samples, version=version) == expected
+    metrics = rollout_batch_metrics([samples], version=version)
+    assert {k: metrics[k] for k in expected} == expected
+    tokens = sum(s.response_length for s in samples)
+    model_tokens = sum(s.loss_mask.count(1) for s in samples)
+    assert metrics["rollout/model_token_ratio"] == (model_tokens / tokens if tokens else 0.0)
+    for s in samples:
+        known = [v for v in s.weight_versions if v is not None]
+        assert s.oldest_weight_version == (min(known) if known else None)

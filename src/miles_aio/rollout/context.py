@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol, final
 
 import structlog
 
+from miles_aio._gc import request_done
 from miles_aio.config import RunConfig
 from miles_aio.inference.base import ChunkSink, InferenceEngine, PauseMode, WeightBroadcast, generate_streamed
 from miles_aio.observability.trace import NullTracer, Tracer
@@ -68,6 +69,7 @@ class LimitedEngine:
                 self.tracer.request_end(span, self._name, group=routing_key, output=out)
         finally:
             self.limiter.release()
+            request_done()  # paces the collector's young passes by requests (`miles_aio._gc`)
         self.generated_tokens += len(out.output_ids)
         return out
 
@@ -99,6 +101,7 @@ class LimitedEngine:
             finally:
                 name = "eval generate" if self.priority > 0 else "generate"
                 self.tracer.request_end(span, name, group=routing_key, output=out)
+                request_done()
         self.generated_tokens += len(out.output_ids)
         return out
 
