@@ -20,8 +20,9 @@ trainer. Three parts:
            what one core can drive: ceiling = 1 s / CPU per sample, and the cluster size at which the
            demand reaches it (`docs/guide/scaling.md`).
   lag      real time, with requests that take seconds: up to 50,000 in flight, event-loop lag
-           p50/p99/max (how late a 10 ms sleep wakes, after the warm-up third), resident memory and
-           memory per in-flight request.
+           p50/p99/max (how late a 10 ms sleep wakes, between the warm-up third and the stop; the
+           stop's longest stall apart, as `stop_loop_lag_ms_max`), resident memory and memory per
+           in-flight request.
 
 CPU per sample is the process's CPU time over the run divided by samples: it includes the fake engines'
 own bookkeeping (a few µs per request, kept out of their token draws by `fast_ids`), so it is an upper
@@ -202,8 +203,11 @@ def _controller(case: Case, run_dir: Path) -> tuple[Controller, Any, _StepRss]:
     return controller, engine, rss
 
 
-async def _run_real(controller: Controller, seconds: float, lags: list[float]) -> RunSummary:
-    """The controller beside the lag monitor (`benchmarks.soak.monitor`); stopped after `seconds` if > 0."""
+async def _run_real(
+    controller: Controller, seconds: float, lags: list[float], stopped_at: list[int]
+) -> RunSummary:
+    """The controller beside the lag monitor (`benchmarks.soak.monitor`); stopped after `seconds` if > 0
+    (`stopped_at` gets the number of lag samples taken before the stop: its stall is not steady state)."""
     stop = asyncio.Event()
     rss: list[tuple[float, float]] = []
     async with asyncio.TaskGroup() as tg:
@@ -211,6 +215,7 @@ async def _run_real(controller: Controller, seconds: float, lags: list[float]) -
         run = tg.create_task(controller.run(), name="controller")
         if seconds > 0:
             await asyncio.sleep(seconds)
+            stopped_at.append(len(lags))
             controller.request_stop()
         try:
             summary = await run
@@ -246,13 +251,14 @@ def measure(
         gc.collect()
         rss0 = rss_mib()
         lags: list[float] = []
+        stopped_at: list[int] = []
         if case.clock == "virtual":
             # no-op cycles before each jump of the clock: looptime spins 42 by default, most of the CPU here
             loop: asyncio.AbstractEventLoop = looptime.new_event_loop(start=0.0, noop_cycles=1)
             coro: Coroutine[Any, Any, RunSummary] = controller.run()
         else:
             loop = _loop_factory(use_uvloop)()
-            coro = _run_real(controller, case.seconds, lags)
+            coro = _run_real(controller, case.seconds, lags, stopped_at)
         cpu0, wall0 = time.process_time(), time.perf_counter()
         if profile is not None:
             profile.enable()
@@ -290,7 +296,10 @@ def measure(
         result["samples_per_s"] = round(samples / wall, 1)
         result["requests_per_s"] = round(requests / wall, 1)
         result["uvloop"] = use_uvloop
-        warm = lags[len(lags) // 3 :] or lags
+        end = stopped_at[0] if stopped_at else len(lags)
+        warm = lags[end // 3 : end] or lags
+        if stopped_at and lags[end:]:
+            result["stop_loop_lag_ms_max"] = round(max(lags[end:]) * 1000, 2)
         if len(warm) >= 2:
             q = statistics.quantiles([x * 1000 for x in warm], n=100, method="inclusive")
             result["loop_lag_ms"] = {

@@ -10,8 +10,9 @@ lasting `--median-s` (median) to `--p99-s` (p99) seconds; the defaults, 1,000 gr
 are ~1,000 requests per second (in flight / mean latency, Little's law). A monitor task samples the
 event loop's lag (how late a 10 ms sleep wakes up) and the process's resident memory. The fake engine
 draws its token ids in one call (`fast_ids`): drawn one by one, they were a third of the process's CPU.
-Reported: loop lag p50/p99/max over the whole run and after its first third (the warm-up: 50,000
-samples admitted at once), RSS at the end vs after warm-up, as a ratio, plus RSS every 10 s, the
+Reported: loop lag p50/p99/max over the whole run and between its first third (the warm-up: 50,000
+samples admitted at once) and the stop, the stop's own length and longest stall (it cancels every
+request in flight), RSS at the end vs after warm-up, as a ratio, plus RSS every 10 s, the
 garbage collector's pauses by generation (count, total, longest: the controller paces the collector,
 `miles_aio._gc`), and what one full pass after the run finds (the reference cycles the paced collector
 left for later). Targets: lag p99 < 10 ms, RSS within ±10%.
@@ -134,8 +135,10 @@ async def soak(
             await asyncio.sleep(seconds / 3)
             warm_from = len(lags)  # the lag samples after the warm-up (admission's first ramp) third
             await asyncio.sleep(seconds - seconds / 3)
+            stop_from, t_stop = len(lags), time.perf_counter()  # the stop's own stall is reported apart
             controller.request_stop()
             summary = await run
+            stop_s = time.perf_counter() - t_stop
             stop.set()
     finally:
         gc.callbacks.remove(pauses)
@@ -146,7 +149,8 @@ async def soak(
     full_pass = {"unreachable_objects": unreachable, "ms": round((time.perf_counter() - t_full) * 1000, 1)}
     warm = [m for t, m in rss if t >= seconds / 3]
     q = statistics.quantiles([x * 1000 for x in lags], n=100)
-    steady = lags[warm_from:] if len(lags) - warm_from >= 2 else lags
+    steady = lags[warm_from:stop_from] if stop_from - warm_from >= 2 else lags
+    stopping = lags[stop_from:] or [0.0]
     qs = statistics.quantiles([x * 1000 for x in steady], n=100)
     return {
         "seconds": seconds,
@@ -161,6 +165,8 @@ async def soak(
             "p99": round(qs[98], 3),
             "max": round(max(steady) * 1000, 3),
         },
+        # the stop: finish the step in progress, cancel every request in flight, close the engine
+        "stop": {"s": round(stop_s, 2), "loop_lag_ms_max": round(max(stopping) * 1000, 3)},
         "rss_mib": {
             "after_warmup": round(warm[0], 1),
             "end": round(warm[-1], 1),

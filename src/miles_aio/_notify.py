@@ -28,6 +28,8 @@ class Notifier:
 
     def notify(self) -> None:
         """Wake every current waiter, oldest first, so it re-checks its predicate."""
+        if not self._waiters:  # the common case on the hot path (a sample finished, nobody waits)
+            return
         waiters, self._waiters = self._waiters, {}
         for fut in waiters:
             if not fut.done():

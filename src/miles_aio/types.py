@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
@@ -177,6 +177,13 @@ class Sample:
     def validate(self) -> None:
         """Raise ValueError if the response-aligned lists disagree with `response_length`."""
         n = self.response_length
+        if (  # the common case, without building the report below (once per sample on the hot path)
+            len(self.loss_mask) == n
+            and len(self.rollout_log_probs) == n
+            and len(self.weight_versions) == n
+            and n <= len(self.tokens)
+        ):
+            return
         lengths = {
             "loss_mask": len(self.loss_mask),
             "rollout_log_probs": len(self.rollout_log_probs),
@@ -194,18 +201,47 @@ Group = list[Sample]
 """The finished samples of one prompt group (a generate function may return several per prompt)."""
 
 
-@dataclass(slots=True)
 class BufferItem:
-    """What the rollout worker hands the buffer for each finished prompt group."""
+    """What the rollout worker hands the buffer for each finished prompt group: the finished samples
+    and, for recycling (`retry`), pristine copies of the prompt group as admitted.
 
-    group: Group
-    """The finished samples, as generated."""
-    prompt_group: Group
-    """Pristine copies of the prompt group as admitted, for recycling (`retry`)."""
+    The pristine copies are built on first read: only a recycle or a checkpoint reads them, and building
+    them for every group was a tenth of the controller's own cost per sample (`benchmarks.controller`).
+    Give them (`prompt_group=`), or say how to make them from the group id (`make_prompt_group=`, with
+    `group_index=`; the rollout worker passes `DataSource.make_group`, deterministic from the id)."""
+
+    __slots__ = ("_make_prompt_group", "_prompt_group", "group", "group_index")
+
+    def __init__(
+        self,
+        group: Group,
+        prompt_group: Group | None = None,
+        *,
+        group_index: int | None = None,
+        make_prompt_group: Callable[[int], Group] | None = None,
+    ) -> None:
+        if prompt_group is not None:
+            if not prompt_group:
+                raise ValueError("a BufferItem's prompt_group is empty")
+            group_index = prompt_group[0].group_index
+        elif group_index is None or make_prompt_group is None:
+            raise ValueError("a BufferItem needs prompt_group, or group_index and make_prompt_group")
+        self.group = group
+        """The finished samples, as generated."""
+        self.group_index: int = group_index
+        self._prompt_group = prompt_group
+        self._make_prompt_group = make_prompt_group
 
     @property
-    def group_index(self) -> int:
-        return self.prompt_group[0].group_index
+    def prompt_group(self) -> Group:
+        """Pristine copies of the prompt group as admitted (built on the first read, then kept)."""
+        if self._prompt_group is None:
+            assert self._make_prompt_group is not None  # the constructor takes one or the other
+            self._prompt_group = self._make_prompt_group(self.group_index)
+        return self._prompt_group
+
+    def __repr__(self) -> str:
+        return f"BufferItem(group_index={self.group_index}, samples={len(self.group)})"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -252,6 +288,8 @@ def scalar_reward(reward: object, reward_key: str | None) -> float:
     """A sample's reward as the float the trainer uses: the value itself, or `reward[reward_key]` for a
     dict reward (--reward-key). Raises ValueError saying what is wrong: no reward, a dict without the
     key, a value that is not a finite number. (The rollout checks rewards with it as they arrive.)"""
+    if (type(reward) is float or type(reward) is int) and math.isfinite(reward):  # the common case (bool:
+        return float(reward)  # below)
     if reward is None:
         raise ValueError("sample has no reward (did the reward function run?)")
     what = "reward"

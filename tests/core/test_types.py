@@ -152,6 +152,11 @@ def test_staleness_metrics_equal_a_per_token_count(
     tokens = sum(s.response_length for s in samples)
     model_tokens = sum(s.loss_mask.count(1) for s in samples)
     assert metrics["rollout/model_token_ratio"] == (model_tokens / tokens if tokens else 0.0)
+    all_known = [v for s in samples for v in s.weight_versions if v is not None]
+    if all_known:  # one group: its train staleness is against its oldest token
+        assert metrics["rollout/train_staleness_max"] == version - min(all_known)
+    else:
+        assert "rollout/train_staleness_max" not in metrics  # unknown is absent, not 0
     for s in samples:
         known = [v for v in s.weight_versions if v is not None]
         assert s.oldest_weight_version == (min(known) if known else None)

@@ -4,6 +4,8 @@ import asyncio
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from miles_aio.rollout.limiter import Limiter
 
@@ -77,3 +79,51 @@ def test_higher_priority_waiters_are_served_first(vrun: Any) -> None:
 
     vrun(main())
     assert order == ["first", "eval", "rollout0", "rollout1", "rollout2"]
+
+
+_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("acquire"), st.integers(0, 1)),
+        st.tuples(st.just("cancel"), st.integers(0, 20)),
+        st.tuples(st.just("release"), st.integers(0, 20)),
+        st.tuples(st.just("resize"), st.integers(1, 4)),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=_OPS)
+def test_no_waiter_is_left_behind_a_free_slot(ops: list[tuple[str, int]]) -> None:
+    """Whatever mix of acquires (two priority classes), cancellations, releases and resizes: once the
+    loop settles, every task that got a slot holds exactly one, and nobody waits while a slot is free
+    (the fast paths that skip the queues when none is waiting must not lose a wake-up)."""
+
+    async def main() -> None:
+        lim = Limiter(2)
+        waiting: list[asyncio.Task[None]] = []
+        holders = 0
+        for op, arg in ops:
+            if op == "acquire":
+                waiting.append(asyncio.create_task(lim.acquire(arg)))
+            elif op == "cancel" and waiting:
+                waiting.pop(arg % len(waiting)).cancel()
+            elif op == "release" and holders:
+                lim.release()
+                holders -= 1
+            elif op == "resize":
+                lim.total_tokens = arg
+            for _ in range(3):
+                await asyncio.sleep(0)
+            done = [t for t in waiting if t.done()]
+            waiting = [t for t in waiting if not t.done()]
+            holders += sum(not t.cancelled() for t in done)
+            stats = lim.statistics()
+            assert stats.borrowed == holders
+            assert stats.waiting == len(waiting)
+            assert not waiting or holders >= lim.total_tokens
+        for t in waiting:
+            t.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+
+    asyncio.run(main())

@@ -36,6 +36,7 @@ class Limiter:
         self._total = total_tokens
         self._borrowed = 0
         self._waiters: dict[int, collections.deque[asyncio.Future[None]]] = {}
+        self._queued = 0  # futures in `_waiters` (some may be done): 0 lets acquire/release skip the queues
 
     @property
     def total_tokens(self) -> int:
@@ -55,12 +56,13 @@ class Limiter:
 
     async def acquire(self, priority: int = 0) -> None:
         """Take a slot; waits behind every waiter of the same or a higher priority."""
-        if self._borrowed < self._total and not any(self._waiters.values()):
+        if self._borrowed < self._total and not self._queued:
             self._borrowed += 1
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         queue = self._waiters.setdefault(priority, collections.deque())
         queue.append(fut)
+        self._queued += 1
         try:
             await fut
         except asyncio.CancelledError:
@@ -71,6 +73,7 @@ class Limiter:
         finally:
             if fut in queue:
                 queue.remove(fut)
+                self._queued -= 1
 
     def release(self) -> None:
         if self._borrowed <= 0:
@@ -79,10 +82,13 @@ class Limiter:
         self._wake()
 
     def _wake(self) -> None:
+        if not self._queued:  # nobody waits (the common case: one call per request)
+            return
         for priority in sorted(self._waiters, reverse=True):
             queue = self._waiters[priority]
             while queue and self._borrowed < self._total:
                 fut = queue.popleft()
+                self._queued -= 1
                 if not fut.done():
                     self._borrowed += 1
                     fut.set_result(None)

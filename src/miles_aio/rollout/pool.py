@@ -101,6 +101,9 @@ class RolloutPool:
         self._reward = reward_fn
         self._group_rm = group_rm
         self._params = sampling_params if sampling_params is not None else sampling_params_from_config(ctx)
+        # per sample, as it finishes: score it (else the --group-rm reward scores the group), check it
+        self._score_each = reward_fn is not None and not group_rm
+        self._check_each = not (group_rm and reward_fn is not None)  # else checked once the group is scored
 
     async def run_group(self, prompt_group: Group, *, on_sample_done: Callable[[], None]) -> Group:
         results: list[list[Sample]] = [[] for _ in prompt_group]
@@ -145,11 +148,12 @@ class RolloutPool:
         try:
             out = await self._generate(self.ctx, sample, dict(self._params))
             outs = self._check_generated(out)
-            if not self._group_rm and self._reward is not None:
+            if self._score_each:
+                assert self._reward is not None
                 for s in outs:
                     if s.reward is None and _scorable(s):
                         s.reward = await self._reward(self.ctx, s)
-            if not (self._group_rm and self._reward is not None):  # else checked once the group is scored
+            if self._check_each:
                 for s in outs:
                     self._check_reward(s)
             results[i] = outs
@@ -231,11 +235,13 @@ class RolloutPool:
             raise InvalidSampleError(f"sample {s.index}: {e}") from None
 
 
-_FINISHED = frozenset((Status.COMPLETED, Status.TRUNCATED, Status.ABORTED, Status.FAILED))
+# tuples, not sets: `in` finds an enum member by identity, where a set would call Enum's Python __hash__
+_FINISHED = (Status.COMPLETED, Status.TRUNCATED, Status.ABORTED, Status.FAILED)
+_UNSCORABLE = (Status.ABORTED, Status.FAILED, Status.PENDING)
 
 
 def _scorable(s: Sample) -> bool:
-    return s.status not in (Status.ABORTED, Status.FAILED, Status.PENDING)
+    return s.status not in _UNSCORABLE
 
 
 def _variable_sample_count(ctx: RolloutContext) -> bool:

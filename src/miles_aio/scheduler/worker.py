@@ -162,7 +162,7 @@ class RolloutWorker:
         finally:
             state.on_group_generated(gid)
             self.gate.notify()
-        item = BufferItem(group=group, prompt_group=self._source.make_group(gid))
+        item = BufferItem(group=group, group_index=gid, make_prompt_group=self._source.make_group)
         state.on_put_blocked()
         try:
             await self._buffer.put(item)

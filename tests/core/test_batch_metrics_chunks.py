@@ -1,0 +1,62 @@
+"""A step's rollout/* metrics over a big batch let the event loop run between chunks
+(`Controller._batch_metrics`), and give what the one-go function gives."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from miles_aio.controller import METRICS_CHUNK_SAMPLES, Controller
+from miles_aio.metrics import rollout_batch_metrics
+from miles_aio.types import GenerateOutput, Group, Sample
+
+pytestmark = [pytest.mark.vtime, pytest.mark.timeout(20)]
+
+
+def _out(n: int, versions: Sequence[int | None]) -> GenerateOutput:
+    ids, logps = [5] * n, [-1.0] * n
+    return GenerateOutput(
+        text="", output_ids=ids, output_log_probs=logps, weight_versions=list(versions), finish_reason="stop"
+    )
+
+
+def _group(gid: int, n: int) -> Group:
+    group = []
+    for k in range(n):
+        s = Sample(group_index=gid, index=gid * n + k, prompt="p", tokens=[1, 2], reward=float(k % 2))
+        s.append(_out(30, [3] * 10 + [4] * 20))  # two policies: a push landed mid-request
+        s.append(_out(8, [gid % 5 + 1] * 8))
+        group.append(s)
+    return group
+
+
+def test_batch_metrics_yield_between_chunks_and_read_the_version_once(vrun: Any) -> None:
+    groups = [_group(g, 8) for g in range(400)]  # 3,200 samples: a dozen chunks
+    fake_controller = SimpleNamespace(version=7, cfg=SimpleNamespace(train=SimpleNamespace(reward_key=None)))
+    passes = 0
+
+    async def other_task() -> None:  # what a rollout does meanwhile: runs, and sees a push land
+        nonlocal passes
+        while True:
+            await asyncio.sleep(0)
+            passes += 1
+            fake_controller.version = 8
+
+    async def main() -> dict[str, float]:
+        async with asyncio.TaskGroup() as tg:
+            other = tg.create_task(other_task())
+            await asyncio.sleep(0)
+            fake_controller.version = 7
+            passes_before = passes
+            metrics = await Controller._batch_metrics(fake_controller, groups)  # type: ignore[arg-type]
+            assert passes - passes_before >= 3200 // METRICS_CHUNK_SAMPLES - 1
+            other.cancel()
+        return metrics
+
+    metrics = vrun(main())
+    assert metrics == rollout_batch_metrics(groups, version=7)
+    assert metrics["rollout/train_staleness_max"] == 7 - 1
