@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
-from typing import Any, TypeVar
+import importlib
+from collections.abc import Callable, Coroutine
+from typing import Any, Literal, TypeVar
 
 import structlog
 
-__all__ = ["finish_even_if_cancelled"]
+__all__ = ["event_loop_factory", "finish_even_if_cancelled"]
 
 _T = TypeVar("_T")
 _log = structlog.get_logger(__name__)
@@ -46,3 +47,12 @@ async def finish_even_if_cancelled(coro: Coroutine[Any, Any, _T]) -> _T:
     if not ok:
         raise value
     return value  # type: ignore[no-any-return]
+
+
+def event_loop_factory(name: Literal["asyncio", "uvloop"]) -> Callable[[], asyncio.AbstractEventLoop]:
+    """What starts the controller's event loop for --event-loop `name` (`asyncio.Runner(loop_factory=)`)."""
+    if name == "uvloop":
+        # optional (an extra, never a dependency; `config.check_event_loop_installed`): imported by name
+        factory: Callable[[], asyncio.AbstractEventLoop] = importlib.import_module("uvloop").new_event_loop
+        return factory
+    return asyncio.new_event_loop

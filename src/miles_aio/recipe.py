@@ -30,6 +30,7 @@ from typing import Any, Generic, Literal, TypeVar, cast
 
 import structlog
 
+from miles_aio._aio import event_loop_factory
 from miles_aio.checkpoint import has_checkpoint, latest_checkpoint
 from miles_aio.cli import (
     DefaultsWhen,
@@ -398,7 +399,8 @@ def main(recipe: Recipe[OptionsT], argv: Sequence[str] | None = None) -> RunSumm
     if recipe.prepare is not None:
         recipe.prepare(cfg, args)
     try:
-        return asyncio.run(_run(recipe, cfg, args, plugins, records, eval_datasets))
+        with asyncio.Runner(loop_factory=event_loop_factory(cfg.driver.event_loop)) as runner:
+            return runner.run(_run(recipe, cfg, args, plugins, records, eval_datasets))
     except ConfigError as e:  # found once engines answer (e.g. what servers given by URL run with)
         config_error_exit(parser, e)
     except Exception as e:  # the run failed: a short report, the cause on its last line (errors.py)
@@ -464,6 +466,7 @@ async def _run(
         run_dir=str(cfg.run_dir),
         ledger=summary.ledger_counts,
         plots=[p.name for p in pngs],
+        event_loop=type(asyncio.get_running_loop()).__module__.split(".")[0],  # asyncio | uvloop
     )
     if stopped:  # stopped by a signal: checkpoint saved, children gone; the last line says where
         log.warning(stop_line(cfg, controller, stopper.received[0]))

@@ -213,3 +213,15 @@ def test_argparse_errors_are_short_and_suggest_the_flag(
     for needle in needles:
         assert needle in err, err
     assert "--adaptive-concurrency-interval-s" not in err  # the full usage is not printed
+
+
+def test_an_uninstalled_uvloop_is_found_by_resolve(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "uvloop" else real(name, *a)
+    )
+    cfg = make_config()
+    with pytest.raises(ConfigError, match="uvloop is not installed") as info:
+        resolve(cfg.replace(driver=dataclasses.replace(cfg.driver, event_loop="uvloop")))
+    assert info.value.flags == ("--event-loop",)
+    assert resolve(cfg).driver.event_loop == "asyncio"  # the default needs nothing

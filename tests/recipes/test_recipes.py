@@ -126,6 +126,21 @@ def test_quickstart_end_to_end(tmp_path: Path) -> None:
     assert (run_dir / "learning.png").is_file() and (run_dir / "reward.png").is_file()
 
 
+def test_quickstart_runs_on_uvloop(tmp_path: Path) -> None:
+    """--event-loop uvloop: the whole run (engine client, trainer actor, signals) on uvloop's loop."""
+    run_dir = tmp_path / "run"
+    proc = run(
+        "recipes.quickstart",
+        *("--num-rollout", "2", "--run-dir", str(run_dir), "--warm-start-accuracy", "0.0"),
+        *("--rollout-batch-size", "8", "--global-batch-size", "64", "--micro-batch-size", "64"),
+        *("--event-loop", "uvloop"),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "event_loop=uvloop" in proc.stdout + proc.stderr
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+
+
 @pytest.mark.timeout(300)
 def test_quickstart_with_a_dedicated_eval_engine(tmp_path: Path) -> None:
     """Eval mode 2 through the recipe: an eval engine launched from the recipe's model, loading an
