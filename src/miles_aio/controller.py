@@ -28,6 +28,9 @@ Tasks (all owned by `run()`'s TaskGroup):
                   weights (the engines' pause, load, stamp and continue), alongside the next step's
                   training. Awaited after that training, and before a save, an eval point or the run's
                   end (they read the pushed weights).
+  free-batch-<step>  drops a recorded step's batch `METRICS_CHUNK_SAMPLES` samples at a time, the loop
+                  let run between chunks (freeing 50,000 samples and their per-token lists at once
+                  stalled every rollout ~50 ms); waits for nothing else.
   the body        the step loop: trains, pushes weights, saves, evaluates, logs metrics.
 
 Step numbers count steps done: step N is the N-th step (1-based), after which N steps are trained.
@@ -117,8 +120,9 @@ __all__ = ["Controller", "RunSummary"]
 log = structlog.get_logger("miles_aio.controller")
 
 METRICS_CHUNK_SAMPLES = 256
-"""Samples of a step's batch whose metrics are counted between two passes of the event loop (~5 ms of
-work for long multi-version responses on this machine's cores: `Controller._batch_metrics`)."""
+"""Samples of a step's batch whose metrics are counted, or that are freed, between two passes of the event
+loop (~5 ms of work for long multi-version responses on this machine's cores: `Controller._batch_metrics`,
+`Controller._free`)."""
 
 
 class _StopRequested(Exception):
@@ -382,6 +386,20 @@ class Controller:
             with clock.phase("eval"):
                 await self.evals.wait_before_push(steps_done=step)  # the last point lands in the last record
         await self._record(step, groups, metrics, clock, summary)
+        # the batch's items hold its groups: `_free` lets go of them a chunk at a time (`groups` goes with
+        # this frame; a trainer may keep what it was given)
+        tg.create_task(self._free(batch), name=f"free-batch-{step}")
+
+    @staticmethod
+    async def _free(batch: list[BufferItem]) -> None:
+        """Let go of a recorded batch, `METRICS_CHUNK_SAMPLES` samples at a time (what frees them is the
+        last reference going: the batch is given to this task alone)."""
+        since_yield = 0
+        while batch:
+            since_yield += len(batch.pop().group)
+            if since_yield >= METRICS_CHUNK_SAMPLES:
+                since_yield = 0
+                await asyncio.sleep(0)
 
     async def _batch_metrics(self, groups: list[Group]) -> dict[str, float]:
         """The batch's rollout/* metrics against the current version, `METRICS_CHUNK_SAMPLES` samples at

@@ -1,15 +1,18 @@
 """A step's rollout/* metrics over a big batch let the event loop run between chunks
-(`Controller._batch_metrics`), and give what the one-go function gives."""
+(`Controller._batch_metrics`), and give what the one-go function gives; the recorded batch is let go of
+in chunks too (`Controller._free`)."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from miles_aio.buffer import BufferItem
 from miles_aio.controller import METRICS_CHUNK_SAMPLES, Controller
 from miles_aio.metrics import rollout_batch_metrics
 from miles_aio.types import GenerateOutput, Group, Sample
@@ -60,3 +63,28 @@ def test_batch_metrics_yield_between_chunks_and_read_the_version_once(vrun: Any)
     metrics = vrun(main())
     assert metrics == rollout_batch_metrics(groups, version=7)
     assert metrics["rollout/train_staleness_max"] == 7 - 1
+
+
+def test_a_recorded_batch_is_let_go_of_a_chunk_at_a_time(vrun: Any) -> None:
+    """`Controller._free`: the samples of a recorded batch go `METRICS_CHUNK_SAMPLES` at a time, the loop
+    let run between chunks, until nothing is held (freeing 50,000 samples at once stalled the loop)."""
+    groups = [_group(g, 8) for g in range(400)]  # 3,200 samples
+    batch = [BufferItem(group=group, prompt_group=group) for group in groups]
+    del groups
+    seen: list[int] = []
+
+    async def watcher() -> None:  # what a rollout sees between two passes of the loop
+        while batch:
+            seen.append(len(batch))
+            await asyncio.sleep(0)
+
+    async def main() -> None:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(watcher())
+            await asyncio.sleep(0)
+            await Controller._free(batch)
+
+    vrun(main())
+    assert batch == []
+    drops = [a - b for a, b in itertools.pairwise(seen)]
+    assert max(drops) * 8 == METRICS_CHUNK_SAMPLES and len(seen) >= 3200 // METRICS_CHUNK_SAMPLES

@@ -14,7 +14,7 @@ from miles_aio.buffer import BufferItem, DataBufferContext, DefaultDataBuffer
 from miles_aio.ledger import Ledger, read_ledger
 from miles_aio.rollout.pool import RolloutPool
 from miles_aio.scheduler.policy import AdmissionLimits, Blocked, DrainSchedule, decide_admission
-from miles_aio.scheduler.worker import AdmissionGate, RolloutWorker
+from miles_aio.scheduler.worker import ADMIT_BURST_SAMPLES, AdmissionGate, RolloutWorker
 from miles_aio.types import Group, Status
 from tests.helpers import make_config, make_source
 
@@ -203,6 +203,29 @@ def test_the_worker_fills_the_bound_then_the_buffer_and_then_waits(vrun: Any, tm
     assert gate.blocked_seconds(0.0).get("buffer_full", 0.0) > 0
     assert gate.state.blocked_puts == 0 and gate.state.slots_held == 0  # cancelled: all let go
     assert ledger.counts["admitted"] == len(pool.started) < 10
+
+
+def test_an_open_gate_lets_the_loop_run_between_bursts_of_admissions(vrun: Any, tmp_path: Path) -> None:
+    """A drained step can open the gate for thousands of groups at once: the admission loop lets the
+    event loop run after every `ADMIT_BURST_SAMPLES` samples, not only when the gate closes."""
+    pool = StubPool(latency_s=100.0)
+    gate, worker, _, ledger = producer(tmp_path, pool, max_in_flight=2000)
+
+    async def main() -> list[int]:
+        bursts, last = [], 0
+        task = asyncio.get_running_loop().create_task(worker.run(), name="rollout-worker")
+        while ledger.counts["admitted"] < 1000:  # the bound: 1000 groups of two samples
+            await asyncio.sleep(0)
+            bursts.append(ledger.counts["admitted"] - last)
+            last = ledger.counts["admitted"]
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return bursts
+
+    bursts = vrun(main())
+    assert sum(bursts) == 1000 and gate.state.slots_held == 0
+    assert max(bursts) == ADMIT_BURST_SAMPLES // 2  # groups of two samples
 
 
 def test_consuming_from_the_buffer_lets_the_worker_admit_again(vrun: Any, tmp_path: Path) -> None:

@@ -83,6 +83,41 @@ def test_batched_engine_pause_freezes_and_versions_tag_tokens(vrun: Any) -> None
     assert vrun(main()) == [1] * 4 + [2] * 6
 
 
+def test_versions_of_overlapping_requests_follow_every_stamp_and_old_stamps_go(vrun: Any) -> None:
+    """Requests started 0.3 s apart, 10 tokens at 0.1 s each, the version stamped every 0.25 s (between
+    token boundaries): token i of a request started at t0 carries the last version stamped before
+    t0 + 0.1 (i + 1), the end of its decode step. The engine keeps only the stamps its running requests
+    can still need."""
+    eng = FakeLatencyEngine(lengths=lambda rng: 10, base_per_token_s=0.1)
+    starts = [0.3 * k for k in range(12)]
+    stamps = [(0.25 * k + 0.01, k) for k in range(1, 20)]
+
+    async def main() -> tuple[list[list[int | None]], int]:
+        kept = 0
+
+        async def stamper() -> None:
+            nonlocal kept
+            for t, v in stamps:
+                await asyncio.sleep(t - asyncio.get_running_loop().time())
+                await eng.update_weight_version(v)
+                kept = max(kept, len(eng._engines[0].stamps))
+
+        async def request(t0: float) -> list[int | None]:
+            await asyncio.sleep(t0)
+            return (await eng.generate(input_ids=[1], sampling_params={})).weight_versions
+
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(stamper())
+            tasks = [tg.create_task(request(t0)) for t0 in starts]
+        return [t.result() for t in tasks], kept
+
+    got, kept = vrun(main())
+    for t0, versions in zip(starts, got, strict=True):
+        expected = [max((v for t, v in stamps if t < t0 + 0.1 * (i + 1)), default=None) for i in range(10)]
+        assert versions == expected, t0
+    assert kept <= 6  # a request runs 1 s: at most 5 stamps fall in it (and the newest one)
+
+
 def test_lognormal_lengths_hit_their_median() -> None:
     dist, rng = LogNormal(100, 1000), random.Random(0)
     draws = sorted(dist(rng) for _ in range(4001))
