@@ -9,10 +9,30 @@ from typing import Any, Literal, TypeVar
 
 import structlog
 
-__all__ = ["event_loop_factory", "finish_even_if_cancelled"]
+__all__ = ["LoopShare", "event_loop_factory", "finish_even_if_cancelled"]
 
 _T = TypeVar("_T")
 _log = structlog.get_logger(__name__)
+
+
+class LoopShare:
+    """Counts work done in one callback and says when to let the event loop run:
+    `if share.due(len(group)): await asyncio.sleep(0)` after each piece (a loop over 50,000 samples in
+    one callback stalls every rollout). A plain method, not a coroutine: the pieces are on hot paths."""
+
+    __slots__ = ("_every", "_since")
+
+    def __init__(self, every: int) -> None:
+        self._every = every
+        self._since = 0
+
+    def due(self, units: int) -> bool:
+        """`units` more done; True (and the count restarts) once `every` have been since the last yield."""
+        self._since += units
+        if self._since < self._every:
+            return False
+        self._since = 0
+        return True
 
 
 async def finish_even_if_cancelled(coro: Coroutine[Any, Any, _T]) -> _T:

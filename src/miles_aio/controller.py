@@ -79,6 +79,7 @@ from pathlib import Path
 
 import structlog
 
+from miles_aio._aio import LoopShare
 from miles_aio._durable import fault_point
 from miles_aio._gc import paced_gc
 from miles_aio.buffer import BufferItem, DataBuffer, DataBufferContext
@@ -394,11 +395,9 @@ class Controller:
     async def _free(batch: list[BufferItem]) -> None:
         """Let go of a recorded batch, `METRICS_CHUNK_SAMPLES` samples at a time (what frees them is the
         last reference going: the batch is given to this task alone)."""
-        since_yield = 0
+        share = LoopShare(METRICS_CHUNK_SAMPLES)
         while batch:
-            since_yield += len(batch.pop().group)
-            if since_yield >= METRICS_CHUNK_SAMPLES:
-                since_yield = 0
+            if share.due(len(batch.pop().group)):
                 await asyncio.sleep(0)
 
     async def _batch_metrics(self, groups: list[Group]) -> dict[str, float]:
@@ -406,12 +405,10 @@ class Controller:
         a time with the event loop let run between chunks (at 50,000 samples of long multi-version
         responses, the whole batch was a second of one callback: every rollout waited that long)."""
         version = self.version  # read once: an overlapped push may land between chunks
-        stats, since_yield = BatchStats(self.cfg.train.reward_key), 0
+        stats, share = BatchStats(self.cfg.train.reward_key), LoopShare(METRICS_CHUNK_SAMPLES)
         for group in groups:
             stats.add(group)
-            since_yield += len(group)
-            if since_yield >= METRICS_CHUNK_SAMPLES:
-                since_yield = 0
+            if share.due(len(group)):
                 await asyncio.sleep(0)
         return stats.metrics(version)
 

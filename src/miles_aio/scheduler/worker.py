@@ -32,6 +32,7 @@ from typing import NoReturn
 
 import structlog
 
+from miles_aio._aio import LoopShare
 from miles_aio._notify import Notifier
 from miles_aio.buffer.base import DataBuffer
 from miles_aio.data.source import DataSource
@@ -146,8 +147,7 @@ class RolloutWorker:
 
     # -- the loops ------------------------------------------------------------------------------------
     async def run(self) -> NoReturn:
-        state = self.gate.state
-        since_yield = 0
+        state, share = self.gate.state, LoopShare(ADMIT_BURST_SAMPLES)
         async with asyncio.TaskGroup() as tg:
             while True:
                 await self.gate.wait_open()
@@ -160,10 +160,8 @@ class RolloutWorker:
                 tg.create_task(self._run_group(gid, prompt_group), name=f"rollout-group-{gid}")
                 # An open gate does not suspend: at 50,000 in flight, a drained step frees slots for
                 # thousands of groups, and admitting them all in one callback stalled every rollout
-                # for 0.1-0.4 s. Let the loop run between bursts (the groups admitted so far start).
-                since_yield += len(prompt_group)
-                if since_yield >= ADMIT_BURST_SAMPLES:
-                    since_yield = 0
+                # for 0.2-0.45 s. Let the loop run between bursts (the groups admitted so far start).
+                if share.due(len(prompt_group)):
                     await asyncio.sleep(0)
 
     async def _run_group(self, gid: int, prompt_group: Group) -> None:
