@@ -7,7 +7,8 @@
 The real controller (scheduler, pool, buffer, driver, ledger) runs in real time against the FAKE latency
 engine (no model) and the FAKE trainer: `--groups` groups × 10 samples are kept in flight, each request
 lasting `--median-s` (median) to `--p99-s` (p99) seconds; the defaults, 1,000 groups of 8 s to 30 s,
-are ~1,000 requests per second (in flight / mean latency, Little's law). A monitor task samples the
+are ~1,000 requests per second (in flight / mean latency, Little's law); a request's tokens come at 4 per
+second of its latency, and a step trains a quarter of the groups in flight. A monitor task samples the
 event loop's lag (how late a 10 ms sleep wakes up) and the process's resident memory. The fake engine
 draws its token ids in one call (`fast_ids`): drawn one by one, they were a third of the process's CPU.
 Reported: loop lag p50/p99/max over the whole run and between its first third (the warm-up: 50,000
@@ -31,6 +32,7 @@ import argparse
 import asyncio
 import gc
 import json
+import math
 import os
 import platform
 import statistics
@@ -56,6 +58,17 @@ from miles_aio.testing import FakeLatencyEngine, FakeTokenizer, FakeTrainer, Log
 
 GROUPS, N = 1000, 10
 """The default load: groups in flight, samples per group."""
+TOKENS_PER_S = 4
+"""Tokens a request gets per second of its latency (a median 8 s request: 32 tokens)."""
+STEP_FRACTION = 4
+"""A step trains 1/STEP_FRACTION of the groups in flight (the buffer holds STEP_FRACTION steps), so steps
+come every few request latencies; a step of everything in flight waits for the slowest of its requests
+(at 50,000 in flight: one step in two minutes)."""
+CAP_OVER_P99 = 4
+"""--rollout-max-response-len, as a multiple of the p99 latency's tokens: a cap that ends one request in
+about ten million (lognormal), so the latency model alone says when a request ends. Until session 19 the
+cap was 64 tokens (16 s at 4 tokens/s): the requests of a 40 s median nearly all lasted 16 s, and the
+50,000 a step admits together also finished together, ~46,000 of them within one second."""
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -110,25 +123,34 @@ class GcPauses:
 
 
 async def soak(
-    seconds: float, run_dir: Path, *, groups: int = GROUPS, median_s: float = 8.0, p99_s: float = 30.0
+    seconds: float,
+    run_dir: Path,
+    *,
+    groups: int = GROUPS,
+    median_s: float = 8.0,
+    p99_s: float = 30.0,
+    step_fraction: int = STEP_FRACTION,
+    max_response_len: int | None = None,
 ) -> dict[str, object]:
+    """`max_response_len` None: `CAP_OVER_P99` × the p99 latency's tokens."""
     base_mib = rss_mib()  # before the controller and its samples exist
+    cap = max_response_len or math.ceil(TOKENS_PER_S * p99_s * CAP_OVER_P99)
     cfg = RunConfig(
         data=DataConfig(),
         rollout=RolloutConfig(
-            rollout_batch_size=groups,
+            rollout_batch_size=max(1, groups // step_fraction),
             n_samples_per_prompt=N,
-            rollout_max_response_len=64,
+            rollout_max_response_len=cap,
             custom_rm_path="benchmarks.pipeline:reward",
             sglang_server_concurrency=100_000,
         ),
         scheduler=SchedulerConfig(async_max_concurrent_samples=groups * N),
-        buffer=BufferConfig(async_data_buffer_capacity_factor=1.0),
+        buffer=BufferConfig(async_data_buffer_capacity_factor=float(step_fraction)),
         driver=DriverConfig(num_rollout=10**6),
         train=TrainConfig(use_tis=True),
         run_dir=run_dir,
     )
-    engine = FakeLatencyEngine(LogNormalLatency(median_s, p99_s), tokens_per_s=4, fast_ids=True)
+    engine = FakeLatencyEngine(LogNormalLatency(median_s, p99_s), tokens_per_s=TOKENS_PER_S, fast_ids=True)
     controller = Controller(
         cfg,
         engine=engine,
@@ -177,6 +199,8 @@ async def soak(
         "seconds": seconds,
         "steps": summary.steps,
         "groups": groups,
+        "step_groups": max(1, groups // step_fraction),
+        "max_response_len": cap,
         "latency_s": {"median": median_s, "p99": p99_s},
         "max_in_flight_requests": engine.max_in_flight,
         "requests": engine.requests,
@@ -221,13 +245,33 @@ def main() -> None:
     parser.add_argument(
         "--p99-s", type=float, default=30.0, help="request latency p99 (default: %(default)s)"
     )
+    parser.add_argument(
+        "--step-fraction",
+        type=int,
+        default=STEP_FRACTION,
+        help="a step trains 1/this of the groups in flight (default: %(default)s; 1: the old soak)",
+    )
+    parser.add_argument(
+        "--max-response-len",
+        type=int,
+        default=None,
+        help=f"tokens per request at most (default: {CAP_OVER_P99} × the p99 latency's; 64: the old soak)",
+    )
     parser.add_argument("--output", type=Path, default=Path("bench-results/soak.json"))
     args = parser.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         result = asyncio.run(
-            soak(args.seconds, Path(tmp), groups=args.groups, median_s=args.median_s, p99_s=args.p99_s)
+            soak(
+                args.seconds,
+                Path(tmp),
+                groups=args.groups,
+                median_s=args.median_s,
+                p99_s=args.p99_s,
+                step_fraction=args.step_fraction,
+                max_response_len=args.max_response_len,
+            )
         )
     result |= {
         "benchmark": "soak",

@@ -120,7 +120,7 @@ __all__ = ["Controller", "RunSummary"]
 
 log = structlog.get_logger("miles_aio.controller")
 
-METRICS_CHUNK_SAMPLES = 256
+METRICS_CHUNK_SAMPLES = 64
 """Samples of a step's batch whose metrics are counted, or that are freed, between two passes of the event
 loop (~5 ms of work for long multi-version responses on this machine's cores: `Controller._batch_metrics`,
 `Controller._free`)."""

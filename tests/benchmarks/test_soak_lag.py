@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import math
 import statistics
+from pathlib import Path
 
 import pytest
 
-from benchmarks.soak import hidden_samples
+from benchmarks.soak import CAP_OVER_P99, TOKENS_PER_S, N, hidden_samples, soak
 
 
 def test_a_stall_stands_for_the_samples_it_hid() -> None:
@@ -24,3 +27,15 @@ def test_one_long_stall_weighs_more_than_the_same_work_spread_out() -> None:
 
     assert p99(one_stall) < p99(spread)  # why plain percentiles mislead
     assert p99(hidden_samples(one_stall)) > p99(hidden_samples(spread))
+
+
+@pytest.mark.timeout(60)
+def test_a_short_soak_steps_and_reports_with_an_uncapped_latency_model(tmp_path: Path) -> None:
+    """A few seconds of the soak at 200 in flight: steps of a quarter of the groups, a response cap the
+    latency model (4 tokens per second of latency) practically never reaches, and every figure reported."""
+    result = asyncio.run(soak(4.0, tmp_path, groups=20, median_s=0.2, p99_s=0.6))
+    assert result["step_groups"] == 5 and result["steps"] >= 2
+    assert result["max_response_len"] == math.ceil(TOKENS_PER_S * 0.6 * CAP_OVER_P99)
+    assert 0 < result["max_in_flight_requests"] <= 20 * N
+    lag = result["loop_lag_ms_after_warmup"]
+    assert isinstance(lag, dict) and set(lag) == {"p50", "p99", "max", "time_weighted"}

@@ -45,7 +45,7 @@ __all__ = ["AdmissionGate", "RolloutWorker"]
 
 log = structlog.get_logger("miles_aio.worker")
 
-ADMIT_BURST_SAMPLES = 64
+ADMIT_BURST_SAMPLES = 16
 """The admission loop admits at most this many samples' groups before it lets the event loop run."""
 
 
