@@ -122,8 +122,9 @@ log = structlog.get_logger("miles_aio.controller")
 
 METRICS_CHUNK_SAMPLES = 64
 """Samples of a step's batch whose metrics are counted, or that are freed, between two passes of the event
-loop (~5 ms of work for long multi-version responses on this machine's cores: `Controller._batch_metrics`,
-`Controller._free`)."""
+loop (`Controller._batch_metrics`, `Controller._free`). 256 (~5 ms of work for long multi-version
+responses) put a slow pass into most of a step's chunks; at 64 the loop lag's p99 at 50,000 in flight
+and ~3,000 requests/s fell from 12.5 to 3.6 ms (`benchmarks.soak`, docs/guide/scaling.md)."""
 
 
 class _StopRequested(Exception):
