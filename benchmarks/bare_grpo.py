@@ -2,6 +2,7 @@
 
     python -m benchmarks.bare_grpo MODEL_DIR [--steps 300] [--lr 1e-4] [--decoupled-lr 1e-3] [--seed 0]
     python -m benchmarks.bare_grpo WORKDIR --schedules     # the lr-schedule sweep of docs/learning.md
+    python -m benchmarks.bare_grpo WORKDIR --filter-sweep  # session 19's zero-std filter rows
 
 What a user comparing miles_aio with "a GRPO script" would write: sample B prompts × n completions at
 temperature 1 with a KV cache, score them (exact match), group-normalised advantages, a token-mean
@@ -72,6 +73,37 @@ def lr_at(step: int, *, top: float, low: float, warmup: int, decay_steps: int | 
     return low + (top - low) * 0.5 * (math.cos(math.pi * rho) + 1.0)
 
 
+MAX_FILTER_ROUNDS = 4
+"""With `filter_zero_std`, at most this many more rollouts of a batch's prompts per step."""
+
+
+def _rollout(
+    model: Any, tok: Any, rng: random.Random, train: list[Problem], prompts: int, n: int, max_new: int
+) -> tuple[list[Problem], torch.Tensor, torch.Tensor, list[list[int]], torch.Tensor]:
+    """`prompts` random problems × `n` samples at temperature 1: (problems, prompt ids, generated ids,
+    rows up to EOS, rewards [prompts, n])."""
+    problems = rng.sample(train, prompts)
+    ids = torch.tensor([tok.encode(p.prompt) for p in problems]).repeat_interleave(n, 0)
+    with torch.no_grad():
+        gen = _sample(model, ids, max_new, 1.0)
+    rows = _until_eos(gen, tok.eos_token_id)
+    answers = _answers(tok, rows)
+    rewards = torch.tensor([float(a == problems[i // n].answer) for i, a in enumerate(answers)])
+    return problems, ids, gen, rows, rewards.view(prompts, n)
+
+
+Rollout = tuple[list[Problem], torch.Tensor, torch.Tensor, list[list[int]], torch.Tensor]
+
+
+def _join(a: Rollout, b: Rollout) -> Rollout:
+    return a[0] + b[0], torch.cat([a[1], b[1]]), torch.cat([a[2], b[2]]), a[3] + b[3], torch.cat([a[4], b[4]])
+
+
+def _select(r: Rollout, groups: list[int], n: int) -> Rollout:
+    rows = [g * n + k for g in groups for k in range(n)]
+    return [r[0][g] for g in groups], r[1][rows], r[2][rows], [r[3][i] for i in rows], r[4][groups]
+
+
 def run(
     model_dir: Path,
     *,
@@ -92,12 +124,16 @@ def run(
     threads: int | None = None,
     lr_scale: Mapping[str, float] | None = None,
     kl_steps: int = 0,
+    filter_zero_std: bool = False,
 ) -> dict[str, Any]:
     """Train for `steps` steps; `decoupled_lr` / `decoupled_min_lr` (default `min_lr`) are the trainer's
     --decoupled-lr / --decoupled-min-lr (the token embedding and lm_head's own peak and final lr);
     `lr_scale` multiplies the lr of parameters whose name contains a key (the ablation's "which component
     is sensitive"); the first `kl_steps` steps also record how far the update moved the policy:
-    KL(before ‖ after) per response token of that step's batch."""
+    KL(before ‖ after) per response token of that step's batch. `filter_zero_std`: the recipe's
+    `miles_aio.rollout.filters:reward_nonzero_std` (groups whose rewards are all equal are not trained
+    on; a step samples up to `MAX_FILTER_ROUNDS` more batches of prompts to fill its batch, and every
+    completion counts in the throughput)."""
     from transformers import AutoModelForCausalLM
 
     from miles_aio.models.tiny import load_tokenizer
@@ -127,15 +163,20 @@ def run(
     rl_seconds, completions, rewards_since = 0.0, 0, []
     for step in range(1, steps + 1):
         t0 = time.monotonic()
-        problems = rng.sample(train, prompts_per_step)
-        ids = torch.tensor([tok.encode(p.prompt) for p in problems]).repeat_interleave(n, 0)
-        with torch.no_grad():
-            gen = _sample(model, ids, max_new, 1.0)
-        rows = _until_eos(gen, tok.eos_token_id)
-        rewards = torch.tensor(
-            [float(a == problems[i // n].answer) for i, a in enumerate(_answers(tok, rows))]
-        ).view(prompts_per_step, n)
+        problems, ids, gen, rows, rewards = _rollout(model, tok, rng, train, prompts_per_step, n, max_new)
+        completions += prompts_per_step * n
         rewards_since.append(float(rewards.mean()))
+        if filter_zero_std:  # keep the groups whose samples disagree; sample more until a batch is full
+            keep = rewards.std(1) > 0
+            for _ in range(MAX_FILTER_ROUNDS):
+                if int(keep.sum()) >= prompts_per_step:
+                    break
+                more = _rollout(model, tok, rng, train, prompts_per_step, n, max_new)
+                completions += prompts_per_step * n
+                problems, ids, gen, rows, rewards = _join((problems, ids, gen, rows, rewards), more)
+                keep = rewards.std(1) > 0
+            chosen = [i for i in range(len(problems)) if keep[i]][:prompts_per_step] or [0]
+            problems, ids, gen, rows, rewards = _select((problems, ids, gen, rows, rewards), chosen, n)
         adv = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6)).view(-1)
         mask = torch.zeros(gen.shape, dtype=torch.float32)
         for i, r in enumerate(rows):
@@ -159,7 +200,6 @@ def run(
                 per_token = (dist.detach().exp() * (dist.detach() - after)).sum(-1)
                 kl.append(float((per_token * mask).sum() / mask.sum()))
         rl_seconds += time.monotonic() - t0
-        completions += prompts_per_step * n
         if step % eval_interval == 0 or step == steps:
             acc = held_out_accuracy(model, tok, held_out, max_new)  # not counted as RL time
             train_reward = sum(rewards_since) / len(rewards_since)
@@ -167,6 +207,7 @@ def run(
             rewards_since = []
     return {
         "curve": curve,
+        "completions": completions,
         "completions_per_s": completions / rl_seconds,
         "rl_seconds": rl_seconds,
         "kl_per_token": kl,
@@ -239,24 +280,51 @@ SCHEDULES: list[tuple[str, int, dict[str, Any], dict[str, Any]]] = [
 ]  # fmt: skip
 
 
-def schedules(work: Path, *, only: str = "", threads: int = 1) -> list[dict[str, Any]]:
+def _quickstart(lr: float, steps: int, **more: Any) -> dict[str, Any]:
+    """The quickstart's schedule shape at `lr` over `steps` steps (20 warmup steps, cosine to 2e-5, the
+    decoupled group 5e-3 → 5e-4)."""
+    return {
+        "lr": lr, "min_lr": 2e-5, "warmup": 20, "steps": steps, "decay_steps": steps,
+        "decoupled_lr": 5e-3, "decoupled_min_lr": 5e-4, **more,
+    }  # fmt: skip
+
+
+FILTER_SWEEP: list[tuple[str, int, dict[str, Any], dict[str, Any]]] = [
+    # session 19 (docs/learning.md): the seeds that end at 81-85.5% after the quickstart's 1000 steps
+    *[(f"seed {s}: defaults over 1600 steps", s, {}, _quickstart(1e-4, 1600)) for s in (1, 2)],
+    *[(f"seed {s}: zero-std filter", s, {}, _quickstart(1e-4, 1000, filter_zero_std=True)) for s in (1, 2)],
+    *[(f"seed {s}: zero-std filter, lr 2e-4", s, {}, _quickstart(2e-4, 1000, filter_zero_std=True))
+      for s in (1, 2)],
+]  # fmt: skip
+
+
+def schedules(
+    work: Path,
+    *,
+    only: str = "",
+    threads: int = 1,
+    rows: list[tuple[str, int, dict[str, Any], dict[str, Any]]] = SCHEDULES,
+) -> list[dict[str, Any]]:
     """The schedule sweep: each row (those whose label contains `only`) trains the quickstart's warm start
     (torch.nn's init, stopped at 40% on the training probe, checked every 10 steps; cached per seed and
-    overrides) for 700 steps, on `threads` threads (two rows can run side by side on 2 cores)."""
+    overrides) for 700 steps (unless the row says `steps`), on `threads` threads (two rows can run side
+    by side on 2 cores)."""
     from miles_aio.tasks.arithmetic import warm_start
 
-    rows = []
+    out = []
     train, _ = make_splits()
-    for label, seed, init, overrides in (row for row in SCHEDULES if only in row[0]):
+    for label, seed, init, overrides in (row for row in rows if only in row[0]):
         tag = "-".join(f"{k}={v}" for k, v in sorted(init.items())) or "default"
         model_dir = work / f"model-seed{seed}-{tag}"
         if not (model_dir / "model.safetensors").is_file():
             kwargs = {"init": "torch", **init}
             warm_start(model_dir, train, target_accuracy=0.4, seed=seed, check_every=10, model_kwargs=kwargs)
-        res = run(model_dir, steps=700, seed=seed, eval_interval=50, threads=threads, **overrides)
-        rows.append({"schedule": label, "curve": res["curve"]})
-        print(json.dumps(rows[-1]), flush=True)
-    return rows
+        kw: dict[str, Any] = {"steps": 700, "seed": seed, "eval_interval": 50, "threads": threads}
+        kw.update(overrides)
+        res = run(model_dir, **kw)
+        out.append({"schedule": label, "curve": res["curve"], "rl_seconds": res["rl_seconds"]})
+        print(json.dumps(out[-1]), flush=True)
+    return out
 
 
 def main() -> None:
@@ -272,6 +340,9 @@ def main() -> None:
     p.add_argument("--decoupled-lr", type=float, default=None)
     p.add_argument("--decoupled-min-lr", type=float, default=None)
     p.add_argument(
+        "--filter-zero-std", action="store_true", help="train only groups whose rewards differ (DAPO filter)"
+    )
+    p.add_argument(
         "--ablation",
         action="store_true",
         help="MODEL_DIR is a work dir: run the init/lr-sensitivity ablation there (100 steps at lr 3e-4)",
@@ -282,9 +353,20 @@ def main() -> None:
         help="MODEL_DIR is a work dir: run the lr-schedule sweep there (700 steps per row, 1 thread)",
     )
     p.add_argument(
+        "--filter-sweep",
+        action="store_true",
+        help="MODEL_DIR is a work dir: seeds 1 and 2 with the zero-std filter and without (docs/learning.md)",
+    )
+    p.add_argument(
         "--only", default="", help="with --ablation/--schedules: only the rows whose label contains this"
     )
     a = p.parse_args()
+    if a.filter_sweep:
+        for r in schedules(a.model_dir, only=a.only, rows=FILTER_SWEEP):
+            at = {p["step"]: p["accuracy"] for p in r["curve"]}
+            accs = " | ".join(f"{at[k]:.1%}" if k in at else "—" for k in (100, 300, 500, 700, 1000, 1600))
+            print(f"| {r['schedule']} | {accs} | {r['rl_seconds']:.0f} |")
+        return
     if a.schedules:
         sweep = schedules(a.model_dir, only=a.only)
         print("| schedule | held-out: step 0, 100, 300, 500, 600, 700 | train reward, steps 651–700 |")
@@ -313,6 +395,7 @@ def main() -> None:
         min_lr=a.min_lr,
         decoupled_lr=a.decoupled_lr,
         decoupled_min_lr=a.decoupled_min_lr,
+        filter_zero_std=a.filter_zero_std,
     )
     print(json.dumps(out))
 

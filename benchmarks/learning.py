@@ -44,6 +44,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 DEFAULT_ARMS = "async,on_policy,lr=2e-4,lr=3e-4,bare"
 MARK_STEPS = (50, 100, 200, 300, 500, 600, 700)
+NONZERO_STD_FILTER = "miles_aio.rollout.filters:reward_nonzero_std"
+"""A recipe with this --dynamic-sampling-filter-path gets a bare loop that filters the same way."""
 
 
 @dataclass
@@ -146,6 +148,7 @@ def run_bare(recipe: str, seed: int, out: Path, model_from: Path) -> Result:
         min_lr=float(defaults.get("min_lr", 0.0)),
         decoupled_lr=defaults.get("decoupled_lr"),
         decoupled_min_lr=defaults.get("decoupled_min_lr"),
+        filter_zero_std=defaults.get("dynamic_sampling_filter_path") == NONZERO_STD_FILTER,
     )
     (out / f"bare-seed{seed}.json").write_text(json.dumps(res))
     curve = [(int(p["step"]), float(p["seconds"]), float(p["accuracy"])) for p in res["curve"]]

@@ -108,13 +108,15 @@ def client_section(d: dict[str, Any]) -> list[str]:
         "Zero-work SGLang stub server on loopback; best of interleaved rounds. Ratio = SGLangClient req/s ÷ "
         f"bare aiohttp req/s (target ≥ {d.get('target_ratio', 0.9)}).",
         "",
-        "| in flight | aiohttp req/s | SGLangClient req/s | ratio | client on httpcore: ratio |",
-        "|---|---|---|---|---|",
+        "| in flight | aiohttp req/s | SGLangClient req/s | ratio | client on httpcore: ratio | "
+        "client CPU µs per request: aiohttp / SGLangClient |",
+        "|---|---|---|---|---|---|",
     ]
     for r in d["rows"]:
+        cpu = f"{r['aiohttp_cpu_us']:.0f} / {r['SGLangClient_cpu_us']:.0f}" if "aiohttp_cpu_us" in r else "—"
         lines.append(
             f"| {r['in_flight']} | {r['aiohttp_rps']:.0f} | {r['SGLangClient_rps']:.0f} | {r['ratio']:.2f} | "
-            f"{r['ratio_httpcore']:.2f} |"
+            f"{r['ratio_httpcore']:.2f} | {cpu} |"
         )
     return [*lines, ""]
 
@@ -260,14 +262,41 @@ def soak_section(d: dict[str, Any]) -> list[str]:
         "## Soak (`benchmarks.soak`)",
         "",
         f"{d['max_in_flight_requests']} requests in flight (real time, fake engine and trainer) for "
-        f"{d['seconds']:.0f} s, {d['requests']} requests, {d['steps']} steps.",
+        f"{d['seconds']:.0f} s, {d['requests']} requests, {d['steps']} steps"
+        + (
+            f"; requests lasting {d['latency_s']['median']} s median, {d['latency_s']['p99']} s p99"
+            if "latency_s" in d
+            else ""
+        )
+        + ".",
         "",
-        f"- event-loop lag: p50 {lag['p50']} ms, p99 {lag['p99']} ms, max {lag['max']} ms "
-        "(target p99 < 10 ms)",
+        f"- event-loop lag over the whole run: p50 {lag['p50']} ms, p99 {lag['p99']} ms, max {lag['max']} ms",
+        *_steady_lag(d),
         f"- resident memory: {rss['after_warmup']} MiB after warm-up → {rss['end']} MiB at the end: ratio "
-        f"{rss['ratio_end_to_warmup']} (target within ±10%)",
+        f"{rss['ratio_end_to_warmup']} (target within ±10%)"
+        + (
+            f"; {rss['kib_per_in_flight_request']} KiB per in-flight request"
+            if "kib_per_in_flight_request" in rss
+            else ""
+        ),
         "",
     ]
+
+
+def _steady_lag(d: dict[str, Any]) -> list[str]:
+    """The soak's steady window (after the warm-up third, before the stop), when the run reports it."""
+    steady, stop = d.get("loop_lag_ms_after_warmup"), d.get("stop")
+    if not steady:
+        return []
+    lines = [
+        f"- steady (after the warm-up third, before the stop): p50 {steady['p50']} ms, "
+        f"p99 {steady['p99']} ms, max {steady['max']} ms; time-weighted (coordinated omission corrected) p99 "
+        f"{steady['time_weighted']['p99']} ms (target p99 < 10 ms)"
+    ]
+    if stop:
+        lines.append(f"- the stop (cancelling every request in flight): {stop['s']} s, longest stall "
+                     f"{stop['loop_lag_ms_max']} ms")  # fmt: skip
+    return lines
 
 
 def controller_section(d: dict[str, Any]) -> list[str]:

@@ -69,6 +69,11 @@ async def raising_reward(ctx: RolloutContext, sample: Sample) -> float:
     raise RuntimeError("reward exploded")
 
 
+async def uniform_reward_every_third_group(ctx: RolloutContext, sample: Sample) -> float:
+    """Every sample of a group whose index is a multiple of 3 gets 1.0; the others alternate 0 and 1."""
+    return 1.0 if sample.group_index % 3 == 0 else float(sample.index % 2)
+
+
 def keep_even_groups(ctx: RolloutContext, group: Group) -> tuple[bool, str]:
     return group[0].group_index % 2 == 0, "odd_group"
 

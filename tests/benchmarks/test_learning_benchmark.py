@@ -89,6 +89,19 @@ def test_the_bare_loop_reports_its_curve_throughput_and_per_step_kl(tmp_path: Pa
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
+def test_the_bare_loops_zero_std_filter_samples_more_and_counts_every_completion(tmp_path: Path) -> None:
+    """A random-init model answers nothing right: every group's rewards are all 0, so each step samples
+    its batch 1 + MAX_FILTER_ROUNDS times, and all of those completions are counted."""
+    model = build_tiny_llama(tmp_path / "m", alphabet=ALPHABET, hidden_size=32, num_heads=2, num_kv_heads=1)
+    out = bare_grpo.run(
+        model, steps=2, lr=1e-3, prompts_per_step=4, n=4, eval_interval=2, threads=1, filter_zero_std=True
+    )
+    assert out["completions"] == 2 * (1 + bare_grpo.MAX_FILTER_ROUNDS) * 4 * 4
+    assert [p["train_reward"] for p in out["curve"][1:]] == [0.0]
+    plain = bare_grpo.run(model, steps=2, lr=1e-3, prompts_per_step=4, n=4, eval_interval=2, threads=1)
+    assert plain["completions"] == 2 * 4 * 4
+
+
 def test_the_bare_loops_schedule_is_the_trainers_decoupled_lr_included() -> None:
     """The baseline trains on the trainer's lr schedule: the main and the --decoupled-lr group alike."""
     from miles_aio.trainer.config import TrainConfig

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.report import soak_section
 from benchmarks.soak import CAP_OVER_P99, TOKENS_PER_S, N, hidden_samples, soak
 
 
@@ -39,3 +40,24 @@ def test_a_short_soak_steps_and_reports_with_an_uncapped_latency_model(tmp_path:
     assert 0 < result["max_in_flight_requests"] <= 20 * N
     lag = result["loop_lag_ms_after_warmup"]
     assert isinstance(lag, dict) and set(lag) == {"p50", "p99", "max", "time_weighted"}
+
+
+def test_the_report_gives_the_steady_lag_time_weighted_and_the_stop_apart() -> None:
+    d = {
+        "max_in_flight_requests": 50000, "seconds": 600.0, "requests": 700000, "steps": 40,
+        "latency_s": {"median": 40.0, "p99": 120.0},
+        "loop_lag_ms": {"p50": 0.6, "p99": 3.0, "max": 1300.0},
+        "loop_lag_ms_after_warmup": {
+            "p50": 0.6, "p99": 4.3, "max": 26.0, "time_weighted": {"p50": 0.6, "p99": 4.4},
+        },
+        "stop": {"s": 1.6, "loop_lag_ms_max": 1300.0},
+        "rss_mib": {
+            "after_warmup": 760.0, "end": 790.0, "ratio_end_to_warmup": 1.04,
+            "kib_per_in_flight_request": 15.1,
+        },
+    }  # fmt: skip
+    text = "\n".join(soak_section(d))
+    assert "40.0 s median, 120.0 s p99" in text
+    assert "p99 4.3 ms, max 26.0 ms; time-weighted (coordinated omission corrected) p99 4.4 ms" in text
+    assert "the stop (cancelling every request in flight): 1.6 s, longest stall 1300.0 ms" in text
+    assert "15.1 KiB per in-flight request" in text

@@ -176,6 +176,23 @@ def test_dynamic_filter_drops_and_counts_by_reason(vrun: Any, tmp_path: Path) ->
     assert counts["filtered"] >= drops > 0  # filtered after the last metrics window are not in metrics
 
 
+def test_the_built_in_nonzero_std_filter_trains_only_groups_whose_rewards_differ(
+    vrun: Any, tmp_path: Path
+) -> None:
+    _, summary, _, trainer = run(
+        vrun,
+        tmp_path,
+        num_rollout=4,
+        custom_rm_path="tests.helpers:uniform_reward_every_third_group",
+        dynamic_sampling_filter_path="miles_aio.rollout.filters:reward_nonzero_std",
+    )
+    assert summary.steps == 4
+    assert all(len({s.reward for s in g}) == 2 for _, b in trainer.steps for g in b)
+    counts = check_conservation(read_ledger(tmp_path / "run" / "ledger.jsonl"))
+    drops = sum(m.get("rollout/dynamic_filter/drop_zero_std_1.0", 0) for m in metrics_lines(tmp_path))
+    assert counts["filtered"] >= drops > 0
+
+
 def test_a_worker_exception_surfaces_at_the_drain(vrun: Any, tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="reward exploded") as e:  # the user's own error, not a wrapper
         run(vrun, tmp_path, custom_rm_path="tests.helpers:raising_reward")
