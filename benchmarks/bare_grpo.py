@@ -160,7 +160,16 @@ def run(
     )
     kl: list[float] = []
     curve = [{"step": 0, "seconds": 0.0, "accuracy": held_out_accuracy(model, tok, held_out, max_new)}]
-    rl_seconds, completions, rewards_since = 0.0, 0, []
+    rl_seconds, completions = 0.0, 0
+    rewards_since: list[float] = []
+
+    def eval_point(step: int) -> None:
+        if step % eval_interval == 0 or step == steps:
+            acc = held_out_accuracy(model, tok, held_out, max_new)  # not counted as RL time
+            train_reward = sum(rewards_since) / len(rewards_since)
+            curve.append({"step": step, "seconds": rl_seconds, "accuracy": acc, "train_reward": train_reward})
+            rewards_since.clear()
+
     for step in range(1, steps + 1):
         t0 = time.monotonic()
         problems, ids, gen, rows, rewards = _rollout(model, tok, rng, train, prompts_per_step, n, max_new)
@@ -175,7 +184,11 @@ def run(
                 completions += prompts_per_step * n
                 problems, ids, gen, rows, rewards = _join((problems, ids, gen, rows, rewards), more)
                 keep = rewards.std(1) > 0
-            chosen = [i for i in range(len(problems)) if keep[i]][:prompts_per_step] or [0]
+            chosen = [i for i in range(len(problems)) if keep[i]][:prompts_per_step]
+            if not chosen:  # nothing to learn from: no update (the runtime would still be sampling)
+                rl_seconds += time.monotonic() - t0
+                eval_point(step)
+                continue
             problems, ids, gen, rows, rewards = _select((problems, ids, gen, rows, rewards), chosen, n)
         adv = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6)).view(-1)
         mask = torch.zeros(gen.shape, dtype=torch.float32)
@@ -200,11 +213,7 @@ def run(
                 per_token = (dist.detach().exp() * (dist.detach() - after)).sum(-1)
                 kl.append(float((per_token * mask).sum() / mask.sum()))
         rl_seconds += time.monotonic() - t0
-        if step % eval_interval == 0 or step == steps:
-            acc = held_out_accuracy(model, tok, held_out, max_new)  # not counted as RL time
-            train_reward = sum(rewards_since) / len(rewards_since)
-            curve.append({"step": step, "seconds": rl_seconds, "accuracy": acc, "train_reward": train_reward})
-            rewards_since = []
+        eval_point(step)
     return {
         "curve": curve,
         "completions": completions,

@@ -122,12 +122,14 @@ def run_recipe(recipe: str, arm: str, seed: int, out: Path, extra: list[str]) ->
     return result
 
 
-def run_bare(recipe: str, seed: int, out: Path, model_from: Path) -> Result:
+def run_bare(recipe: str, seed: int, out: Path, model_from: Path, extra: list[str] | None = None) -> Result:
     """The bare loop on the warm-started model of this seed's first recipe run, with the recipe's
-    steps, lr and schedule (read from its RECIPE's defaults)."""
+    steps, lr and schedule (read from its RECIPE's defaults), and the `--lr` and
+    `--dynamic-sampling-filter-path` of the runs' extra flags (the others have no bare-loop meaning)."""
     from benchmarks import bare_grpo
 
     defaults: dict[str, Any] = dict(importlib.import_module(f"recipes.{recipe}").RECIPE.defaults)
+    defaults |= _bare_overrides(extra or [])
     model_dir = model_from / "model"
     if not (model_dir / "model.safetensors").is_file():
         return Result("bare", seed, error=f"no warm-started model in {model_from} (run an arm first)")
@@ -156,6 +158,18 @@ def run_bare(recipe: str, seed: int, out: Path, model_from: Path) -> Result:
         "bare", seed, curve, completions_per_s=float(res["completions_per_s"]),
         rl_seconds=float(res["rl_seconds"]), wall_seconds=time.monotonic() - t0,
     )  # fmt: skip
+
+
+def _bare_overrides(extra: list[str]) -> dict[str, Any]:
+    """The recipe flags among `extra` that the bare loop follows: `--lr X` and
+    `--dynamic-sampling-filter-path P` (also in their `--flag=value` form)."""
+    names = {"--lr": "lr", "--dynamic-sampling-filter-path": "dynamic_sampling_filter_path"}
+    found: dict[str, Any] = {}
+    for i, arg in enumerate(extra):
+        flag, eq, value = arg.partition("=")
+        if flag in names and (eq or i + 1 < len(extra)):
+            found[names[flag]] = value if eq else extra[i + 1]
+    return found
 
 
 def _spread(values: list[float]) -> str:
@@ -278,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
             first_run = first_run or (out / f"{arm}-seed{seed}")
         if "bare" in arms:
             print(f"[learning] bare GRPO loop seed {seed} ...", file=sys.stderr, flush=True)
-            r = run_bare(a.recipe, seed, out, first_run or out / f"async-seed{seed}")
+            r = run_bare(a.recipe, seed, out, first_run or out / f"async-seed{seed}", extra)
             results.append(r)
             _report(r)
     write_outputs(results, a.recipe, out, a.seeds)

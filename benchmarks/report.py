@@ -291,7 +291,7 @@ def _steady_lag(d: dict[str, Any]) -> list[str]:
     lines = [
         f"- steady (after the warm-up third, before the stop): p50 {steady['p50']} ms, "
         f"p99 {steady['p99']} ms, max {steady['max']} ms; time-weighted (coordinated omission corrected) p99 "
-        f"{steady['time_weighted']['p99']} ms (target p99 < 10 ms)"
+        f"{steady.get('time_weighted', {}).get('p99', '—')} ms (target p99 < 10 ms)"
     ]
     if stop:
         lines.append(f"- the stop (cancelling every request in flight): {stop['s']} s, longest stall "

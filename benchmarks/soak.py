@@ -1,7 +1,7 @@
 """Soak: 10,000 samples in flight for a bounded time — memory stays flat, the event loop stays responsive.
 
     python -m benchmarks.soak [--seconds 120] [--groups 1000] [--median-s 8] [--p99-s 30]
-                              [--output bench-results/soak.json]
+                              [--step-fraction 4] [--max-response-len N] [--output bench-results/soak.json]
     python -m benchmarks.soak --seconds 600 --groups 5000 --median-s 40 --p99-s 120   # 50,000 in flight
 
 The real controller (scheduler, pool, buffer, driver, ledger) runs in real time against the FAKE latency
@@ -65,8 +65,9 @@ STEP_FRACTION = 4
 come every few request latencies; a step of everything in flight waits for the slowest of its requests
 (at 50,000 in flight: one step in two minutes)."""
 CAP_OVER_P99 = 4
-"""--rollout-max-response-len, as a multiple of the p99 latency's tokens: a cap that ends one request in
-about ten million (lognormal), so the latency model alone says when a request ends. Until session 19 the
+"""--rollout-max-response-len, as a multiple of the p99 latency's tokens: a cap that ends about one
+request in a million (8 s median, 30 s p99) to ten million (40 s, 120 s) of the lognormal model, so the
+latency model alone says when a request ends. Until session 19 the
 cap was 64 tokens (16 s at 4 tokens/s): the requests of a 40 s median nearly all lasted 16 s, and the
 50,000 a step admits together also finished together, ~46,000 of them within one second."""
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -259,6 +260,8 @@ def main() -> None:
     )
     parser.add_argument("--output", type=Path, default=Path("bench-results/soak.json"))
     args = parser.parse_args()
+    if args.step_fraction < 1 or (args.max_response_len is not None and args.max_response_len < 1):
+        parser.error("--step-fraction and --max-response-len must be >= 1")
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()

@@ -149,3 +149,15 @@ def test_the_bare_arm_is_refused_for_a_recipe_it_cannot_run(capsys: pytest.Captu
         learning.main(["--recipe", "tool_use", "--arms", "async,bare"])
     assert e.value.code == 2
     assert "quickstart only" in capsys.readouterr().err
+
+
+def test_the_bare_arm_follows_the_runs_lr_and_filter_flags() -> None:
+    flt = learning.NONZERO_STD_FILTER
+    assert learning._bare_overrides(
+        ["--lr", "2e-4", "--dynamic-sampling-filter-path", flt, "--seed", "3"]
+    ) == {
+        "lr": "2e-4",
+        "dynamic_sampling_filter_path": flt,
+    }
+    assert learning._bare_overrides(["--lr=3e-4", "--eval-interval", "5"]) == {"lr": "3e-4"}
+    assert learning._bare_overrides(["--lr"]) == {}  # a flag without its value: the recipe run says so

@@ -37,7 +37,7 @@ def test_a_short_soak_steps_and_reports_with_an_uncapped_latency_model(tmp_path:
     result = asyncio.run(soak(4.0, tmp_path, groups=20, median_s=0.2, p99_s=0.6))
     steps, in_flight = result["steps"], result["max_in_flight_requests"]
     assert isinstance(steps, int) and isinstance(in_flight, int)
-    assert result["step_groups"] == 5 and steps >= 2
+    assert result["step_groups"] == 5 and steps >= 1
     assert result["max_response_len"] == math.ceil(TOKENS_PER_S * 0.6 * CAP_OVER_P99)
     assert 0 < in_flight <= 20 * N
     lag = result["loop_lag_ms_after_warmup"]

@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 from miles_aio.rollout.filters import reward_nonzero_std
 from miles_aio.types import Sample
 
+pytestmark = pytest.mark.pure
+
 
 def ctx(reward_key: str | None = None) -> Any:
     return SimpleNamespace(config=SimpleNamespace(train=SimpleNamespace(reward_key=reward_key)))
