@@ -77,11 +77,14 @@ MAX_FILTER_ROUNDS = 4
 """With `filter_zero_std`, at most this many more rollouts of a batch's prompts per step."""
 
 
+Rollout = tuple[list[Problem], torch.Tensor, torch.Tensor, list[list[int]], torch.Tensor]
+"""One step's sampling: (problems, prompt ids, generated ids, rows up to EOS, rewards [prompts, n])."""
+
+
 def _rollout(
     model: Any, tok: Any, rng: random.Random, train: list[Problem], prompts: int, n: int, max_new: int
-) -> tuple[list[Problem], torch.Tensor, torch.Tensor, list[list[int]], torch.Tensor]:
-    """`prompts` random problems × `n` samples at temperature 1: (problems, prompt ids, generated ids,
-    rows up to EOS, rewards [prompts, n])."""
+) -> Rollout:
+    """`prompts` random problems × `n` samples at temperature 1."""
     problems = rng.sample(train, prompts)
     ids = torch.tensor([tok.encode(p.prompt) for p in problems]).repeat_interleave(n, 0)
     with torch.no_grad():
@@ -90,9 +93,6 @@ def _rollout(
     answers = _answers(tok, rows)
     rewards = torch.tensor([float(a == problems[i // n].answer) for i, a in enumerate(answers)])
     return problems, ids, gen, rows, rewards.view(prompts, n)
-
-
-Rollout = tuple[list[Problem], torch.Tensor, torch.Tensor, list[list[int]], torch.Tensor]
 
 
 def _join(a: Rollout, b: Rollout) -> Rollout:
@@ -290,11 +290,13 @@ SCHEDULES: list[tuple[str, int, dict[str, Any], dict[str, Any]]] = [
 
 
 def _quickstart(lr: float, steps: int, **more: Any) -> dict[str, Any]:
-    """The quickstart's schedule shape at `lr` over `steps` steps (20 warmup steps, cosine to 2e-5, the
-    decoupled group 5e-3 → 5e-4)."""
+    """`recipes.quickstart`'s schedule (warmup, cosine to its --min-lr, its decoupled lr) at `lr`, decayed
+    over `steps` steps."""
+    from recipes.quickstart import DEFAULTS as q
+
     return {
-        "lr": lr, "min_lr": 2e-5, "warmup": 20, "steps": steps, "decay_steps": steps,
-        "decoupled_lr": 5e-3, "decoupled_min_lr": 5e-4, **more,
+        "lr": lr, "min_lr": q["min_lr"], "warmup": q["lr_warmup_iters"], "steps": steps, "decay_steps": steps,
+        "decoupled_lr": q["decoupled_lr"], "decoupled_min_lr": q["decoupled_min_lr"], **more,
     }  # fmt: skip
 
 

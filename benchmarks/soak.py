@@ -136,10 +136,11 @@ async def soak(
     """`max_response_len` None: `CAP_OVER_P99` × the p99 latency's tokens."""
     base_mib = rss_mib()  # before the controller and its samples exist
     cap = max_response_len or math.ceil(TOKENS_PER_S * p99_s * CAP_OVER_P99)
+    step_groups = max(1, groups // step_fraction)
     cfg = RunConfig(
         data=DataConfig(),
         rollout=RolloutConfig(
-            rollout_batch_size=max(1, groups // step_fraction),
+            rollout_batch_size=step_groups,
             n_samples_per_prompt=N,
             rollout_max_response_len=cap,
             custom_rm_path="benchmarks.pipeline:reward",
@@ -200,7 +201,7 @@ async def soak(
         "seconds": seconds,
         "steps": summary.steps,
         "groups": groups,
-        "step_groups": max(1, groups // step_fraction),
+        "step_groups": step_groups,
         "max_response_len": cap,
         "latency_s": {"median": median_s, "p99": p99_s},
         "max_in_flight_requests": engine.max_in_flight,
