@@ -120,11 +120,13 @@ __all__ = ["Controller", "RunSummary"]
 
 log = structlog.get_logger("miles_aio.controller")
 
-METRICS_CHUNK_SAMPLES = 64
-"""Samples of a step's batch whose metrics are counted, or that are freed, between two passes of the event
-loop (`Controller._batch_metrics`, `Controller._free`). 256 (~5 ms of work for long multi-version
-responses) put a slow pass into most of a step's chunks; at 64 the loop lag's p99 at 50,000 in flight
-and ~3,000 requests/s fell from 12.5 to 3.6 ms (`benchmarks.soak`, docs/guide/scaling.md)."""
+METRICS_CHUNK_SAMPLES = 16
+"""Samples of a step's batch that are drained from a full buffer, whose metrics are counted, or that are
+freed, between two passes of the event loop (`Controller._drain`, `Controller._batch_metrics`,
+`Controller._free`). Each chunk lengthens the pass it runs in, and a busy loop lengthens the next pass by
+what arrived meanwhile: at 50,000 in flight and ~5,400 requests/s (`benchmarks.controller`'s lag case)
+chunks of 64 kept the loop lag's p99 at 10-11 ms, chunks of 16 at 4.4-4.6 ms (session 20; 256 → 64 took
+`benchmarks.soak`'s p99 from 12.5 to 3.6 ms, docs/guide/scaling.md)."""
 
 
 class _StopRequested(Exception):
@@ -551,6 +553,7 @@ class Controller:
             item = self._carry.pop(0)
             self._consumed(item)
             batch.append(item)
+        share = LoopShare(METRICS_CHUNK_SAMPLES)
         while len(batch) < need:
             self._raise_if_worker_died(step)
             try:
@@ -573,6 +576,11 @@ class Controller:
                 continue  # the worker died: its error is raised at the top, outside this handler
             self._consumed(item)
             batch.append(item)
+            if share.due(len(item.group)):
+                # a full buffer's groups come without a wait: a step's worth (and the wake-ups of the
+                # producers each pop makes room for) in one callback held the loop for 10+ ms at 50,000
+                # in flight; what was taken is in `_draining` if a stop cancels the wait
+                await asyncio.sleep(0)
         self._draining = []
         self._drained_metrics[step] = self.buffer.get_metrics()  # consumed staleness etc. of this batch
         return sorted(batch, key=lambda it: min(s.index for s in it.group))

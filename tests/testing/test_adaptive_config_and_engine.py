@@ -132,3 +132,62 @@ def test_batched_engine_interpolates_a_measured_curve() -> None:
     assert eng.per_token_s(0) > 0
     with pytest.raises(ValueError, match="curve"):
         FakeLatencyEngine(lengths=lambda rng: 1, per_token_curve=[(1, 0.002)])
+
+
+def test_pause_and_continue_over_many_engines_settle_in_chunks_with_the_same_result(
+    vrun: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pause or a continue over more than `SETTLE_CHUNK` engines settles them a chunk per loop pass (as
+    N engines answer N calls), and every request ends as it does when all are settled in one go:
+    same tokens, same versions, same end times."""
+    from miles_aio.testing import fakes
+
+    def run(chunk: int) -> tuple[list[tuple[float, int, tuple[int | None, ...]]], int]:
+        monkeypatch.setattr(fakes, "SETTLE_CHUNK", chunk)
+        eng = FakeLatencyEngine(
+            lengths=LogNormal(20, 80),
+            base_per_token_s=0.01,
+            slope_per_token_s=0.001,
+            max_running=4,
+            num_engines=200,
+            seed=3,
+            fast_ids=True,  # token ids from their own generator: lengths are drawn in arrival order only
+        )
+
+        async def main() -> tuple[list[tuple[float, int, tuple[int | None, ...]]], int]:
+            loop, passes, pausing = asyncio.get_running_loop(), 0, asyncio.Event()
+
+            async def one(k: int) -> tuple[float, int, tuple[int | None, ...]]:
+                # (never at the instant of a pause or continue: requests that arrive at the same time
+                # draw their lengths in the order they run, which the chunks' passes may change)
+                await asyncio.sleep(0.001 * k + 0.0005)
+                out = await eng.generate(input_ids=[1], sampling_params={})
+                return round(loop.time(), 9), len(out.output_ids), tuple(out.weight_versions)
+
+            async def counter() -> None:  # passes of the loop while the pause is in progress
+                nonlocal passes
+                await pausing.wait()
+                while pausing.is_set():
+                    passes += 1
+                    await asyncio.sleep(0)
+
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(counter())
+                tasks = [tg.create_task(one(k)) for k in range(1000)]
+                await eng.update_weight_version(1)
+                await asyncio.sleep(0.35)
+                pausing.set()
+                await eng.pause_generation("retract")
+                pausing.clear()
+                await eng.update_weight_version(2)
+                await asyncio.sleep(0.2)
+                await eng.continue_generation()
+            return [t.result() for t in tasks], passes
+
+        return vrun(main())
+
+    paced, passes = run(16)
+    one_go, passes_one_go = run(10**6)
+    assert paced == one_go
+    assert passes >= 200 // 16 and passes_one_go == 0
+    assert {v for _, _, vs in paced for v in vs} == {1, 2}  # requests ran across the pause

@@ -45,10 +45,11 @@ __all__ = ["AdmissionGate", "RolloutWorker"]
 
 log = structlog.get_logger("miles_aio.worker")
 
-ADMIT_BURST_SAMPLES = 16
+ADMIT_BURST_SAMPLES = 8
 """The admission loop admits at most this many samples' groups before it lets the event loop run: each
 admitted sample's first engine call runs in the next pass, so the burst sizes that pass (64: passes of
-5-10 ms at 50,000 in flight; `benchmarks.soak`)."""
+5-10 ms at 50,000 in flight, `benchmarks.soak`; 16 → 8 with `METRICS_CHUNK_SAMPLES` 64 → 16: the lag
+case's p99 from 10-11 to 4.4-4.6 ms, `benchmarks.controller`)."""
 
 
 class AdmissionGate:
