@@ -46,6 +46,7 @@ from miles_aio.inference.wire import (
     ROUTING_KEY_HEADER,
     SGLANG_DEFAULT_MAX_NEW_TOKENS,
     StreamDecoder,
+    decode_generate_response,
     decode_json_object,
     decode_json_value,
     encode_json,
@@ -510,7 +511,7 @@ class SGLangClient:
             raise
         if one:
             where = f"{self.url}/generate rid={items[0].rid}"
-            return [parse_generate_response(decode_json_object(answer, where), where=where)]
+            return [decode_generate_response(answer, where=where)]
         where = f"{self.url}/generate (batch of {len(items)})"
         data = decode_json_value(answer, where)
         if type(data) is not list or len(data) != len(items):

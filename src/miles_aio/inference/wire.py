@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from typing import Any, Final
+from typing import Annotated, Any, Final
 
 import httpx
 import msgspec  # a dependency (pyproject): StreamDecoder needs its typed decoding
@@ -35,6 +35,7 @@ __all__ = [
     "ROUTING_KEY_HEADER",
     "SGLANG_DEFAULT_MAX_NEW_TOKENS",
     "StreamDecoder",
+    "decode_generate_response",
     "decode_json_object",
     "decode_json_value",
     "encode_json",
@@ -162,6 +163,61 @@ def parse_generate_response(body: object, *, where: str) -> GenerateOutput:
     )
 
 
+_TokenId = Annotated[int, msgspec.Meta(ge=0, lt=MAX_TOKEN_ID)]
+
+
+class _Answer(msgspec.Struct):
+    """A `/generate` answer as the fast path decodes it: the meta_info's values stay raw JSON until read."""
+
+    text: str
+    output_ids: list[_TokenId]
+    meta_info: dict[str, msgspec.Raw]
+
+
+_decode_answer = msgspec.json.Decoder(_Answer).decode
+_decode_entries = msgspec.json.Decoder(list[tuple[float, _TokenId, Any]]).decode
+_FAST_PATH_MISSES = (msgspec.ValidationError, msgspec.DecodeError, KeyError)
+
+
+def decode_generate_response(body: bytes, *, where: str) -> GenerateOutput:
+    """`parse_generate_response(decode_json_object(body))`, faster: the answer is decoded into typed
+    fields, so msgspec checks the token ids and the `[logprob, id, text]` triples in C while it reads them
+    (a 1,000-token answer: ~270 → ~100 µs, and no list per token for the collector to walk). It accepts
+    no more than `parse_generate_response` does; whatever it does not take (a missing or ill-typed
+    field, an id out of range) goes to `parse_generate_response`, which words the error."""
+    try:
+        answer = _decode_answer(body)
+        raw_meta = answer.meta_info
+        entries = _decode_entries(raw_meta["output_token_logprobs"])
+        meta = {k: _decode_json(v) for k, v in raw_meta.items() if k != "output_token_logprobs"}
+    except _FAST_PATH_MISSES:
+        return parse_generate_response(decode_json_object(body, where), where=where)
+    output_ids, finish = answer.output_ids, meta.get("finish_reason")
+    raw_finish = finish.get("type") if type(finish) is dict else None
+    cached = meta.get("cached_tokens", 0)
+    if (
+        type(raw_finish) is not str
+        or raw_finish not in _FINISH_TYPES
+        or type(meta.get("prompt_tokens")) is not int
+        or type(cached) is not int
+        or len(entries) != len(output_ids)
+        or [e[1] for e in entries] != output_ids  # (msgspec decodes no JSON number to NaN)
+    ):
+        return parse_generate_response(decode_json_object(body, where), where=where)
+    versions = _expand_versions(meta, len(output_ids), where)
+    meta.pop("weight_versions", None)
+    return GenerateOutput(
+        text=answer.text,
+        output_ids=output_ids,
+        output_log_probs=[e[0] for e in entries],
+        meta=meta,
+        weight_versions=versions,
+        finish_reason=raw_finish,  # type: ignore[arg-type]
+        prompt_tokens=meta["prompt_tokens"],
+        cached_tokens=cached,
+    )
+
+
 class _StreamMeta(msgspec.Struct):
     finish_reason: object = None
     output_token_logprobs: msgspec.Raw = msgspec.Raw(b"null")
@@ -243,7 +299,7 @@ class StreamDecoder:
         chunk = GenerateChunk(output_ids=ids, output_log_probs=log_probs, weight_versions=versions)
         if meta.finish_reason is None:
             return chunk, None
-        out = parse_generate_response(decode_json_object(data, where), where=where)
+        out = decode_generate_response(data, where=where)
         if (out.output_ids, out.output_log_probs, out.weight_versions) != (
             self.output_ids,
             self.log_probs,
