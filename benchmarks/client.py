@@ -10,6 +10,12 @@ process on loopback, then, for 1, 64 and 1024 requests in flight, measures:
 * `SGLangClient+httpcore`: the same client on httpx's own transport, to show why that is not the default
   (httpx's pool slows down sharply with many concurrent requests, encode/httpx#3215).
 
+Every side is measured under the garbage-collector policy the controller runs with (`paced_gc`: what
+exists at the start frozen, full passes paced), as the client runs in a run. Under CPython's defaults,
+a full pass walks every imported module (~1 per 5,000 requests here), and the client's few extra
+objects per request brought one pass more than the bare loop's: the 1,024-in-flight ratio moved
+between 0.85 and 1.08 from run to run (session 20).
+
 Each row is the best of `--rounds` interleaved rounds (the machine may be shared); each measurement is
 bounded by a request count and a wall-clock cap. Besides requests/s it reports the client process's CPU
 time per request, which other load on the machine disturbs less. The target is client/aiohttp >= 0.95
@@ -35,6 +41,7 @@ from typing import Any
 import aiohttp
 import httpx
 
+from miles_aio._gc import paced_gc
 from miles_aio.inference.client import SGLangClient
 
 CONCURRENCY = (1, 64, 1024)
@@ -123,7 +130,8 @@ async def bench(url: str, *, requests: int, max_s: float, rounds: int) -> list[d
                     continue  # slow at high concurrency; one round shows it
                 async with make() as one:
                     await drive(one, in_flight=c, total=2 * c + 50, max_s=max_s)  # warm-up: connections
-                    rps, cpu_us = await drive(one, in_flight=c, total=total, max_s=max_s)
+                    async with paced_gc():  # the collector as in a run, for every side (module docstring)
+                        rps, cpu_us = await drive(one, in_flight=c, total=total, max_s=max_s)
                 row[f"{name}_rps"] = max(row.get(f"{name}_rps", 0.0), rps)
                 row[f"{name}_cpu_us"] = min(row.get(f"{name}_cpu_us", float("inf")), cpu_us)
         row["ratio"] = row["SGLangClient_rps"] / row["aiohttp_rps"]

@@ -37,7 +37,7 @@ MILES_ONLY = {
     "--optimizer",
 }
 # other tools' flags the docs show in commands
-TOOL_FLAGS = {"--strict", "--no-deps"}
+TOOL_FLAGS = {"--strict", "--no-deps", "--format"}  # mkdocs, pip, py-spy
 # vLLM's own server flags, named on the "Choosing an engine" page (vLLM is not installed here to ask)
 VLLM_FLAGS = {
     "--model",
