@@ -10,8 +10,9 @@ process on loopback, then, for 1, 64 and 1024 requests in flight, measures:
 * `SGLangClient+httpcore`: the same client on httpx's own transport, to show why that is not the default
   (httpx's pool slows down sharply with many concurrent requests, encode/httpx#3215).
 
-Every side is measured under the garbage-collector policy the controller runs with (`paced_gc`: what
-exists at the start frozen, full passes paced), as the client runs in a run. Under CPython's defaults,
+Every side is measured under the controller's `paced_gc()`, as the client runs in a run: what exists
+at the start is frozen and full passes are paced (the young passes a run also paces by requests, in
+the rollout context, are not: no side goes through one). Under CPython's defaults,
 a full pass walks every imported module (~1 per 5,000 requests here), and the client's few extra
 objects per request brought one pass more than the bare loop's: the 1,024-in-flight ratio moved
 between 0.85 and 1.08 from run to run (session 20).

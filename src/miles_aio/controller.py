@@ -576,7 +576,7 @@ class Controller:
                 continue  # the worker died: its error is raised at the top, outside this handler
             self._consumed(item)
             batch.append(item)
-            if share.due(len(item.group)):
+            if share.due(len(item.group)) and len(batch) < need:
                 # a full buffer's groups come without a wait: a step's worth (and the wake-ups of the
                 # producers each pop makes room for) in one callback held the loop for 10+ ms at 50,000
                 # in flight; what was taken is in `_draining` if a stop cancels the wait

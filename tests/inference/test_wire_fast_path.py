@@ -91,3 +91,19 @@ def test_broken_answers_fail_or_pass_the_same(n: int, mutations: list[tuple[Any,
 def test_raw_bodies_fail_the_same(raw: bytes) -> None:
     fast, slow = both(raw if raw != b"<nested>" else b"[" * 50_000 + b"]" * 50_000)
     assert fast == slow and isinstance(fast, str)
+
+
+@pytest.mark.parametrize("depth", [10, 1_000, 50_000])
+def test_deep_nesting_inside_meta_info_fails_or_passes_the_same(depth: int) -> None:
+    """A value nested deep inside `meta_info` (which the typed path keeps as plain JSON): at a depth
+    msgspec or `json` refuses, both paths give the same error, not a RecursionError out of the client."""
+    answer = good_answer(3, spans=False, cached=False)
+    body = json.dumps(answer).encode()
+    nested = b"[" * depth + b"]" * depth
+    body = body.replace(b'"meta_info": {', b'"meta_info": {"deep": ' + nested + b", ", 1)
+    fast, slow = both(body)
+    assert fast == slow
+    if depth == 10:
+        assert isinstance(fast, GenerateOutput) and fast.meta["deep"] == [[[[[[[[[[]]]]]]]]]]
+    if depth == 50_000:
+        assert isinstance(fast, str)

@@ -184,10 +184,42 @@ def test_pause_and_continue_over_many_engines_settle_in_chunks_with_the_same_res
                 await eng.continue_generation()
             return [t.result() for t in tasks], passes
 
-        return vrun(main())
+        result: tuple[list[tuple[float, int, tuple[int | None, ...]]], int] = vrun(main())
+        return result
 
     paced, passes = run(16)
     one_go, passes_one_go = run(10**6)
     assert paced == one_go
     assert passes >= 200 // 16 and passes_one_go == 0
     assert {v for _, _, vs in paced for v in vs} == {1, 2}  # requests ran across the pause
+
+
+def test_a_continue_cancelled_between_chunks_still_lets_every_request_finish(
+    vrun: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A continue is cancelled after its first chunk (a push's deadline, a stop): the change stands, so
+    the engines not yet settled are settled as it unwinds, and no request waits for ever on an engine
+    that was never told the pause is over."""
+    from miles_aio.testing import fakes
+
+    monkeypatch.setattr(fakes, "SETTLE_CHUNK", 16)
+    eng = FakeLatencyEngine(
+        lengths=LogNormal(20, 80), base_per_token_s=0.01, max_running=4, num_engines=200, seed=5
+    )
+
+    async def main() -> int:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(eng.generate(input_ids=[1], sampling_params={})) for _ in range(1000)]
+            await asyncio.sleep(0.05)
+            await eng.pause_generation("retract")
+            going = asyncio.create_task(eng.continue_generation())
+            await asyncio.sleep(0)  # one pass: the continue settles its first chunk and yields
+            assert "continue" in eng.calls and not going.done()  # between two of its 13 chunks
+            going.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await going
+            async with asyncio.timeout(600):  # virtual seconds; the longest request needs a few
+                done = await asyncio.gather(*tasks)
+        return len(done)
+
+    assert vrun(main()) == 1000

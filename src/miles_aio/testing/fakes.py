@@ -357,9 +357,9 @@ class FakeLatencyEngine(InferenceEngine):
             left = (e.heap[0][0] - e.steps) * self._step_s(len(e.running))
             due = max(max(now, e.stall_until) + left, now)
             if e.timer is not None and e.timer.when() <= due:
-                # an arrival only delays the next finish (a request more slows every decode step): the
-                # timer set before fires early and settles again, instead of a cancel and a new timer
-                # at every one of thousands of arrivals per second (`benchmarks.controller`'s lag case)
+                # the next finish moved later (an arrival slows every decode step): the timer set
+                # before fires early and settles again, instead of a cancel and a new timer at every
+                # one of thousands of arrivals per second (`benchmarks.controller`'s lag case)
                 return
             if e.timer is not None:
                 e.timer.cancel()
@@ -410,10 +410,18 @@ class FakeLatencyEngine(InferenceEngine):
         self._advance(now)
         change()
         self._changed.notify()
-        for i in range(0, len(self._engines), SETTLE_CHUNK):
-            if i:
-                await asyncio.sleep(0)
-            for e in self._engines[i : i + SETTLE_CHUNK]:
+        settled = 0
+        try:
+            while settled < len(self._engines):
+                if settled:
+                    await asyncio.sleep(0)
+                for e in self._engines[settled : settled + SETTLE_CHUNK]:
+                    self._settle_engine(e)
+                settled += SETTLE_CHUNK
+        finally:
+            # cancelled between two chunks (a push's deadline, a stop): the change stands, so the rest
+            # are settled now, or a continue would leave their requests with no timer for ever
+            for e in self._engines[settled:]:
                 self._settle_engine(e)
 
     # -- faults ----------------------------------------------------------------------------------------
