@@ -161,3 +161,27 @@ def test_the_bare_arm_follows_the_runs_lr_and_filter_flags() -> None:
     }
     assert learning._bare_overrides(["--lr=3e-4", "--eval-interval", "5"]) == {"lr": "3e-4"}
     assert learning._bare_overrides(["--lr"]) == {}  # a flag without its value: the recipe run says so
+
+
+@pytest.mark.parametrize("user", [None, "PASSIVE"])
+def test_the_bare_loop_runs_with_spinning_openmp_threads_and_the_recipe_runs_as_a_users(
+    user: str | None,
+) -> None:
+    """The bare loop (in the benchmark's own process, alone on the cores) gets OpenMP's ACTIVE policy
+    before torch loads; a recipe run gets the environment a user's has, so `import miles_aio` gives its
+    processes their PASSIVE one. A policy the user set is kept for both."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if user is not None:
+        env["OMP_WAIT_POLICY"] = user
+    probe = (
+        "import os, benchmarks.learning as L, torch; "
+        "print(os.environ['OMP_WAIT_POLICY'], L._recipe_env().get('OMP_WAIT_POLICY'))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert out == (["ACTIVE", "None"] if user is None else [user, user])
