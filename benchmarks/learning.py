@@ -37,14 +37,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# The bare loop runs in this process, alone on the machine, with one OpenMP thread per core: its threads
-# may spin between parallel regions (OpenMP's ACTIVE policy), which is its fastest. The PASSIVE policy every
-# process of a run gets from `import miles_aio` (miles_aio/__init__.py: there, several processes share the
-# cores) made this 2-thread loop 1.4x slower (1,481 against 2,041-2,073 completions/s over 150 steps, one
-# AMD EPYC 2-core VM, session 21), which flattered the runtime's ratio. Set before torch loads; the recipe
-# runs get the environment a user's run has (`_recipe_env`). A value the user set is kept for both.
-_USER_OMP_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY")
-os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
+# The bare loop runs in this process, alone on the machine, one OpenMP thread per core. OpenMP's default
+# wait policy (threads spin a little between parallel regions, then sleep) is its fastest; the PASSIVE
+# one every process of a run gets from `import miles_aio` (miles_aio/__init__.py: there, several
+# processes share the cores) made it 1.4x slower (150 steps, one 2-core AMD EPYC VM, session 21: 1,481
+# against 2,073 completions/s), which flattered the runtime's ratio; ACTIVE (spin for ever) was as fast
+# but kept a core busy after the loop, under the next seed's recipe run. OpenMP reads the policy when
+# torch loads, so torch is imported here, before anything imports miles_aio. A policy the user set holds.
+import torch  # noqa: F401
 
 DEFAULT_ARMS = "async,on_policy,lr=2e-4,lr=3e-4,bare"
 MARK_STEPS = (50, 100, 200, 300, 500, 600, 700)
@@ -105,15 +105,6 @@ def read_run(run_dir: Path, arm: str, seed: int) -> Result:
     return Result(arm, seed, curve, completions_per_s=samples / max(total, 1e-9), rl_seconds=total)
 
 
-def _recipe_env() -> dict[str, str]:
-    """This process's environment as the user's run would have it: without the bare loop's OpenMP policy
-    (the recipe's processes then set their own on `import miles_aio`)."""
-    env = dict(os.environ)
-    if _USER_OMP_WAIT_POLICY is None:
-        env.pop("OMP_WAIT_POLICY", None)
-    return env
-
-
 def run_recipe(recipe: str, arm: str, seed: int, out: Path, extra: list[str]) -> Result:
     run_dir = out / f"{arm}-seed{seed}"
     if run_dir.exists():
@@ -126,9 +117,7 @@ def run_recipe(recipe: str, arm: str, seed: int, out: Path, extra: list[str]) ->
     ]  # fmt: skip
     t0 = time.monotonic()
     with (out / f"{arm}-seed{seed}.log").open("w") as log:
-        rc = subprocess.run(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=_recipe_env(), check=False
-        ).returncode
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
     wall = time.monotonic() - t0
     if rc != 0:
         return Result(arm, seed, error=f"exit {rc}: see {out / f'{arm}-seed{seed}.log'}", wall_seconds=wall)
