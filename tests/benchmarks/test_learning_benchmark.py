@@ -161,35 +161,3 @@ def test_the_bare_arm_follows_the_runs_lr_and_filter_flags() -> None:
     }
     assert learning._bare_overrides(["--lr=3e-4", "--eval-interval", "5"]) == {"lr": "3e-4"}
     assert learning._bare_overrides(["--lr"]) == {}  # a flag without its value: the recipe run says so
-
-
-def test_the_bare_loop_gets_openmps_default_policy_and_leaves_no_thread_spinning() -> None:
-    """`benchmarks.learning` loads torch before anything imports miles_aio, so the bare loop (in its own
-    process, alone on the cores) runs with OpenMP's default wait policy, not the PASSIVE one a run's
-    processes get; and once a parallel loop is done its threads sleep, so they take no core from the
-    next recipe run (the ACTIVE policy kept one spinning: measured, 1 s of CPU per second asleep)."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    probe = """
-import os, sys, time
-import benchmarks.learning
-policy_when_torch_loaded = os.environ.get("OMP_WAIT_POLICY")
-torch_loaded = "torch" in sys.modules
-import torch
-import miles_aio  # what the bare loop imports next: sets PASSIVE for later children only
-torch.set_num_threads(2)
-a = torch.randn(256, 256)
-for _ in range(100):
-    a @ a
-t = time.process_time()
-time.sleep(1.0)
-print(policy_when_torch_loaded, torch_loaded, round(time.process_time() - t, 2))
-"""
-    out = subprocess.run(
-        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
-    ).stdout.split()
-    assert out[:2] == ["None", "True"]
-    assert float(out[2]) < 0.5  # CPU seconds used while asleep for 1 s

@@ -29,3 +29,40 @@ def test_passive_by_default_and_set_before_torch_loads() -> None:
 
 def test_a_policy_the_user_set_is_kept() -> None:
     assert policy_seen("ACTIVE") == "ACTIVE False"
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BARE_LOOP_PROBE = """
+import os, sys, time
+import benchmarks.learning
+policy_when_torch_loaded = os.environ.get("OMP_WAIT_POLICY")
+torch_loaded = "torch" in sys.modules
+import torch
+import miles_aio  # what the bare loop imports next: it sets the policy for later children only
+torch.set_num_threads(2)
+a = torch.randn(256, 256)
+for _ in range(100):
+    a @ a
+t = time.process_time()
+time.sleep(1.0)
+print(policy_when_torch_loaded, torch_loaded, round(time.process_time() - t, 2))
+"""
+
+
+@pytest.mark.parametrize("user", [None, "PASSIVE"])
+def test_benchmarks_learning_gives_its_bare_loop_openmps_default_and_no_thread_keeps_spinning(
+    user: str | None,
+) -> None:
+    """`benchmarks.learning` runs the bare GRPO loop in its own process, alone on the cores: it loads
+    torch before anything imports miles_aio, so that loop gets OpenMP's default policy (spin briefly,
+    then sleep; PASSIVE made it 1.4x slower), and once a parallel loop is done its threads sleep, so they
+    take no core from the next recipe run (ACTIVE kept one spinning: ~1 s of CPU per second asleep).
+    A policy the user set is the one torch loads with."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if user is not None:
+        env["OMP_WAIT_POLICY"] = user
+    out = subprocess.run(
+        [sys.executable, "-c", BARE_LOOP_PROBE], env=env, cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert out[:2] == [str(user), "True"]
+    assert float(out[2]) < 0.2  # CPU seconds used while asleep for 1 s

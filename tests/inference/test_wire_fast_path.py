@@ -107,3 +107,24 @@ def test_deep_nesting_inside_meta_info_fails_or_passes_the_same(depth: int) -> N
         assert isinstance(fast, GenerateOutput) and fast.meta["deep"] == [[[[[[[[[[]]]]]]]]]]
     if depth == 50_000:
         assert isinstance(fast, str)
+
+
+def test_a_stream_chunk_nested_too_deep_is_a_bad_response_not_a_recursion_error() -> None:
+    """`StreamDecoder` checks a whole chunk's JSON first (then, from the second chunk on, decodes only the
+    ids and log-probs it adds): a value nested too deep anywhere in it is the engine's bad answer."""
+    from miles_aio.inference.wire import StreamDecoder
+
+    deep = b"[" * 50_000 + b"]" * 50_000
+
+    def chunk(ids: bytes, lps: bytes, extra: bytes = b"") -> bytes:
+        fields = b'"output_token_logprobs":' + lps + b',"finish_reason":null,"weight_version":"1"'
+        meta = b"{" + extra + fields + b"}"
+        return b'{"text":"a","output_ids":' + ids + b',"meta_info":' + meta + b"}"
+
+    with pytest.raises(EngineBadResponse, match="invalid stream chunk"):
+        StreamDecoder(where=WHERE).feed(chunk(b"[1]", b"[[-0.1,1,null]]", b'"deep":' + deep + b","))
+    dec = StreamDecoder(where=WHERE)
+    first, _ = dec.feed(chunk(b"[1]", b"[[-0.1,1,null]]"))
+    assert first.output_ids == [1]
+    with pytest.raises(EngineBadResponse):
+        dec.feed(chunk(b"[1," + deep + b"]", b"[[-0.1,1,null],[-0.2,2,null]]"))

@@ -258,7 +258,7 @@ class StreamDecoder:
         where, have = self.where, len(self.output_ids)
         try:
             c = _decode_stream_chunk(data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:  # Recursion: too deep
             raise EngineBadResponse(f"{where}: invalid stream chunk ({e}); it starts {data[:80]!r}") from e
         if c.error is not None:
             raise stream_error(c.error, where)
@@ -314,7 +314,7 @@ class StreamDecoder:
         if have and raw.startswith(prev[:-1]):  # prev is "[...]": the same items, then more
             rest = raw[len(prev) - 1 :].lstrip()
             if rest.startswith(b","):
-                items = _decode_json(b"[" + rest[1:])
+                items = _decode_json(b"[" + rest[1:])  # valid: the chunk's decode checked `raw`
                 if type(items) is list:
                     return items
             elif rest.rstrip() == b"]":
