@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -31,7 +32,7 @@ def test_a_policy_the_user_set_is_kept() -> None:
     assert policy_seen("ACTIVE") == "ACTIVE False"
 
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = Path(__file__).resolve().parents[2]
 BARE_LOOP_PROBE = """
 import os, sys, time
 import benchmarks.learning
@@ -62,7 +63,7 @@ def test_benchmarks_learning_gives_its_bare_loop_openmps_default_and_no_thread_k
     if user is not None:
         env["OMP_WAIT_POLICY"] = user
     out = subprocess.run(
-        [sys.executable, "-c", BARE_LOOP_PROBE], env=env, cwd=REPO, capture_output=True, text=True, check=True
+        [sys.executable, "-c", BARE_LOOP_PROBE], env=env, cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout.split()
     assert out[:2] == [str(user), "True"]
     assert float(out[2]) < 0.2  # CPU seconds used while asleep for 1 s
