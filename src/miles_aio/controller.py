@@ -185,6 +185,7 @@ class Controller:
         self.saved_this_run = False  # whether this run saved a checkpoint (not only resumed from one)
         self._last_step = 0  # the steps done so far (the number of the last finished step)
         self._drained_metrics: dict[int, dict[str, float]] = {}  # buffer window of each step's drain
+        self._times_read_at: float | None = None  # when the last step's times were read: the next one's start
         self._stop = asyncio.Event()
 
         # The components, in dependency order: each is built from those above it, and nothing is wired
@@ -354,7 +355,7 @@ class Controller:
     async def _step(self, tg: asyncio.TaskGroup, step: int, summary: RunSummary) -> None:
         """Step number `step` (`step` steps are done after it); `_StopRequested` when a stop cancels
         the wait for its batch."""
-        clock = StepClock(asyncio.get_running_loop().time)
+        clock = StepClock(asyncio.get_running_loop().time, since=self._times_read_at)
         self.ledger.flush()  # the previous step's fates reach the file (a failed write raises here)
         self.obs.begin_step(step, self.version)
         assert self._next_drain is not None
@@ -365,6 +366,9 @@ class Controller:
         metrics = await self._batch_metrics(groups)
         metrics |= self.source.get_metrics()
         with clock.phase("train"):
+            # the engines' load is read while the trainer works: its round trips (~4 ms, more when an
+            # engine is busy) were part of every step when the record asked for it
+            load = tg.create_task(self.obs.engine_load(), name=f"engine-load-{step}")
             metrics.update(await self.trainer.train(step, groups))
         with clock.phase("weight_sync"):
             await self._pushed()  # the push that ran alongside this training (its version is now behind)
@@ -389,7 +393,7 @@ class Controller:
         if step == self.cfg.driver.num_rollout:
             with clock.phase("eval"):
                 await self.evals.wait_before_push(steps_done=step)  # the last point lands in the last record
-        await self._record(step, groups, metrics, clock, summary)
+        await self._record(step, groups, metrics, clock, summary, engine_load=await load)
         # the batch's items hold its groups: `_free` lets go of them a chunk at a time (`groups` goes with
         # this frame; a trainer may keep what it was given)
         tg.create_task(self._free(batch), name=f"free-batch-{step}")
@@ -451,10 +455,19 @@ class Controller:
             await asyncio.wait([push])
 
     async def _record(
-        self, step: int, groups: list[Group], metrics: dict[str, float], clock: StepClock, summary: RunSummary
+        self,
+        step: int,
+        groups: list[Group],
+        metrics: dict[str, float],
+        clock: StepClock,
+        summary: RunSummary,
+        *,
+        engine_load: dict[str, float],
     ) -> None:
-        """The step's record: its metrics, its drain's buffer window, perf/* from its clock, eval points."""
+        """The step's record: its metrics, its drain's buffer window, perf/* from its clock, the engines'
+        load read during its training, eval points."""
         times = clock.times()
+        self._times_read_at = clock.since + times.step_s  # the next step's time starts here
         metrics |= self._drained_metrics.pop(step) | self.accounting.step_metrics(
             times, now=asyncio.get_running_loop().time(), trained_tokens=int(metrics["rollout/tokens"])
         )
@@ -467,6 +480,7 @@ class Controller:
             times=times,
             start=clock.start,
             train_start=clock.began["train"],
+            engine_load=engine_load,
         )
         summary.steps, summary.last_metrics = step, metrics
         summary.step_times_s.append(times.step_s)

@@ -122,3 +122,12 @@ def test_a_step_clock_adds_up_each_phase_and_times_the_step_from_its_start() -> 
         0.0,
     )
     assert clock.start == 10.0 and clock.began == {"wait_data": 10.0, "train": 12.0}
+
+
+def test_a_step_clock_since_an_earlier_moment_times_the_step_from_there() -> None:
+    now = [10.0]
+    clock = StepClock(lambda: now[0], since=9.25)  # the previous step's times were read at 9.25
+    with clock.phase("train"):
+        now[0] += 3.0
+    assert clock.times().step_s == 3.75 and clock.start == 10.0 and clock.began == {"train": 10.0}
+    assert StepClock(lambda: 10.0, since=11.0).since == 10.0  # never later than its construction

@@ -114,3 +114,73 @@ def test_controller_merges_engine_load_into_the_step_metrics(vrun: Any, tmp_path
     for r in rows:
         assert r["perf/engine/num_running_reqs"] >= 0 and r["perf/engine/queue_len"] == 0
         assert r["perf/engine/latency_p50_s"] == 1.0
+
+
+class SlowInfoClient(InfoClient):
+    """An engine busy enough that its `/server_info` answer takes `delay_s`."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__([{"num_running_reqs": 1, "num_waiting_reqs": 0}])
+        self.delay_s = delay_s
+
+    async def server_info(self) -> dict[str, Any]:
+        await asyncio.sleep(self.delay_s)
+        return await super().server_info()
+
+
+class SlowLoadEngine(FakeLatencyEngine):
+    @property
+    def clients(self) -> tuple[InfoClient, ...]:
+        return (SlowInfoClient(0.5),)
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+
+def test_the_engine_load_is_read_while_the_step_trains_not_after_it(vrun: Any, tmp_path: Path) -> None:
+    """The load's round trip runs alongside the training (1 s here), so a slow answer (0.5 s) does not
+    lengthen the step: before, the record asked after training and every step took 1.5 s."""
+    cfg = make_config(tmp_path / "run", num_rollout=6, max_admission_staleness=4)  # data never waited for
+    controller = Controller(
+        cfg,
+        engine=SlowLoadEngine(LogNormalLatency(0.05, 0.2), tokens_per_s=1000.0, seed=3),
+        trainer=FakeTrainer(step_time_s=1.0),
+        source=make_source(n=2),
+        plugins=resolve_plugins(cfg),
+        tokenizer=FakeTokenizer(),
+    )
+    vrun(controller.run())
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["perf/engine/num_running_reqs"] for r in rows] == [1.0] * 6  # every step has its load
+    assert [r["perf/step_time_s"] for r in rows[1:]] == pytest.approx([1.0] * 5, abs=0.05)
+
+
+def test_writing_a_steps_record_counts_in_the_next_step_so_the_steps_add_up(
+    vrun: Any, tmp_path: Path
+) -> None:
+    """A record that takes 0.5 s to write (a slow log hook, a sink) is wall time of the run: it counts
+    in the next step's perf/step_time_s, so benchmarks that add the steps up see it."""
+    cfg = make_config(tmp_path / "run", num_rollout=6, max_admission_staleness=4)
+    controller = Controller(
+        cfg,
+        engine=FakeLatencyEngine(LogNormalLatency(0.05, 0.2), tokens_per_s=1000.0, seed=3),
+        trainer=FakeTrainer(step_time_s=1.0),
+        source=make_source(n=2),
+        plugins=resolve_plugins(cfg),
+        tokenizer=FakeTokenizer(),
+    )
+    end_step = controller.obs.end_step
+    ended: list[float] = []
+
+    async def slow_end_step(*args: Any, **kwargs: Any) -> dict[str, float]:
+        await asyncio.sleep(0.5)
+        out = await end_step(*args, **kwargs)
+        ended.append(asyncio.get_running_loop().time())
+        return out
+
+    controller.obs.end_step = slow_end_step  # type: ignore[method-assign]
+    vrun(controller.run())
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["perf/step_time_s"] for r in rows[1:]] == pytest.approx([1.5] * 5, abs=0.05)
+    # steps 2..6 cover the wall time from step 1's times to step 6's: each record is 0.5 s before its end
+    assert sum(r["perf/step_time_s"] for r in rows[1:]) == pytest.approx(ended[-1] - ended[0], abs=0.01)

@@ -43,11 +43,16 @@ Phase = Literal["wait_data", "train", "weight_sync", "eval"]
 
 class StepClock:
     """Times one driver step on `now` (the loop clock), from its construction: `with clock.phase(p):`
-    adds the block's seconds to phase `p` (a phase may run several times; its seconds add up)."""
+    adds the block's seconds to phase `p` (a phase may run several times; its seconds add up).
 
-    def __init__(self, now: Callable[[], float]) -> None:
+    `since`: where the step's wall time (`step_s`) starts, if earlier than the construction: the moment
+    the previous step's times were read. What happens between the two (writing the previous step's
+    record) then counts in this step, so the steps' times add up to the run's wall time."""
+
+    def __init__(self, now: Callable[[], float], *, since: float | None = None) -> None:
         self._now = now
         self.start = now()
+        self.since = self.start if since is None else min(since, self.start)
         self.began: dict[Phase, float] = {}  # when each phase first began
         self._seconds: dict[Phase, float] = {"wait_data": 0.0, "train": 0.0, "weight_sync": 0.0, "eval": 0.0}
 
@@ -61,10 +66,10 @@ class StepClock:
             self._seconds[name] += self._now() - t0
 
     def times(self) -> StepTimes:
-        """The step so far: its wall time until now and the seconds of each phase."""
+        """The step so far: its wall time until now (from `since`) and the seconds of each phase."""
         s = self._seconds
         return StepTimes(
-            step_s=self._now() - self.start,
+            step_s=self._now() - self.since,
             wait_data_s=s["wait_data"],
             train_s=s["train"],
             weight_sync_s=s["weight_sync"],

@@ -1,4 +1,4 @@
-"""Engine load, read once per step: `perf/engine/*` metrics.
+"""Engine load, read once per step (while it trains): `perf/engine/*` metrics.
 
 From each engine's `/server_info` `internal_states` (summed over an engine's data-parallel states):
   perf/engine/num_running_reqs, perf/engine/queue_len               totals over the engines

@@ -15,7 +15,7 @@ is built last, from the tracer, the buffer and the scheduler state it samples.
 
 from __future__ import annotations
 
-from collections.abc import Sequence, Sized
+from collections.abc import Mapping, Sequence, Sized
 
 import structlog
 
@@ -105,6 +105,11 @@ class RunObserver:
         shown = {k: v for k, v in metrics.items() if "accuracy" in k or k in ("eval/step", "eval/version")}
         self.tracer.complete("eval point", track="eval", start=start, end=end, **shown)
 
+    async def engine_load(self) -> dict[str, float]:
+        """`perf/engine/*` now: one `/server_info` per engine in rotation (see `engine_load_metrics`). The
+        controller asks while the step trains, so the round trip is not part of the step's own time."""
+        return await engine_load_metrics(self.engine)
+
     async def end_step(
         self,
         step: int,
@@ -115,11 +120,13 @@ class RunObserver:
         times: StepTimes,
         start: float,
         train_start: float,
+        engine_load: Mapping[str, float],
     ) -> dict[str, float]:
-        """Finish the step's record (returned), call the hooks, log it to the sinks, trace it."""
+        """Finish the step's record (returned), call the hooks, log it to the sinks, trace it.
+        `engine_load`: `engine_load()`'s answer for this step."""
         metrics["rollout/policy_version"] = float(self.version or 0)
         metrics["rollout/in_flight_groups"] = float(self._state.in_flight_groups)
-        metrics.update(await engine_load_metrics(self.engine))
+        metrics.update(engine_load)
         eval_metrics = evals.step_metrics()
         metrics.update(eval_metrics)
         check_metrics(metrics)  # a warning, once per name, for a metric the registry lacks

@@ -111,7 +111,11 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("rollout/policy_version", "Policy version the engines serve at the end of the step.", _OBS),
     _m("rollout/in_flight_groups", "Groups admitted and not yet finished at the end of the step.", _OBS),
     # -- bubble accounting ---------------------------------------------------------------------------------
-    _m("perf/step_time_s", "Wall seconds of the driver step.", _PERF),
+    _m(
+        "perf/step_time_s",
+        "Wall seconds of the driver step, from the previous step's record (so the steps add up to the run).",
+        _PERF,
+    ),
     _m("perf/trainer_idle_ratio", "Fraction of the step the driver waited for data.", _PERF),
     _m(
         "perf/rollout_blocked_ratio",
