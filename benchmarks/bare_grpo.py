@@ -3,6 +3,7 @@
     python -m benchmarks.bare_grpo MODEL_DIR [--steps 300] [--lr 1e-4] [--decoupled-lr 1e-3] [--seed 0]
     python -m benchmarks.bare_grpo WORKDIR --schedules     # the lr-schedule sweep of docs/learning.md
     python -m benchmarks.bare_grpo WORKDIR --filter-sweep  # session 19's zero-std filter rows
+    python -m benchmarks.bare_grpo WORKDIR --variant-sweep # session 22's model, batch and optimizer rows
 
 What a user comparing miles_aio with "a GRPO script" would write: sample B prompts × n completions at
 temperature 1 with a KV cache, score them (exact match), group-normalised advantages, a token-mean
@@ -125,6 +126,7 @@ def run(
     lr_scale: Mapping[str, float] | None = None,
     kl_steps: int = 0,
     filter_zero_std: bool = False,
+    filter_rounds: int = MAX_FILTER_ROUNDS,
 ) -> dict[str, Any]:
     """Train for `steps` steps; `decoupled_lr` / `decoupled_min_lr` (default `min_lr`) are the trainer's
     --decoupled-lr / --decoupled-min-lr (the token embedding and lm_head's own peak and final lr);
@@ -132,7 +134,7 @@ def run(
     is sensitive"); the first `kl_steps` steps also record how far the update moved the policy:
     KL(before ‖ after) per response token of that step's batch. `filter_zero_std`: the recipe's
     `miles_aio.rollout.filters:reward_nonzero_std` (groups whose rewards are all equal are not trained
-    on; a step samples up to `MAX_FILTER_ROUNDS` more batches of prompts to fill its batch, and every
+    on; a step samples up to `filter_rounds` more batches of prompts to fill its batch, and every
     completion counts in the throughput)."""
     from transformers import AutoModelForCausalLM
 
@@ -177,7 +179,7 @@ def run(
         rewards_since.append(float(rewards.mean()))
         if filter_zero_std:  # keep the groups whose samples disagree; sample more until a batch is full
             keep = rewards.std(1) > 0
-            for _ in range(MAX_FILTER_ROUNDS):
+            for _ in range(filter_rounds):
                 if int(keep.sum()) >= prompts_per_step:
                     break
                 more = _rollout(model, tok, rng, train, prompts_per_step, n, max_new)
@@ -309,6 +311,25 @@ FILTER_SWEEP: list[tuple[str, int, dict[str, Any], dict[str, Any]]] = [
 ]  # fmt: skip
 
 
+VARIANT_SWEEP: list[tuple[str, int, dict[str, Any], dict[str, Any]]] = [
+    # session 22 (docs/learning.md): what else might lift seeds 1 and 2 (the quickstart's 1000-step schedule)
+    *[(f"seed {s}: full multi-head attention (4 KV heads, not 2)", s, {"num_kv_heads": 4},
+       _quickstart(1e-4, 1000)) for s in (1, 2)],
+    *[(f"seed {s}: zero-std filter, at most 1 more batch per step, lr 2e-4", s, {},
+       _quickstart(2e-4, 1000, filter_zero_std=True, filter_rounds=1)) for s in (1, 2)],
+    *[(f"seed {s}: 16 prompts x 16 samples", s, {}, _quickstart(1e-4, 1000, prompts_per_step=16, n=16))
+      for s in (1, 2)],
+    *[(f"seed {s}: 64 prompts x 4 samples", s, {}, _quickstart(1e-4, 1000, prompts_per_step=64, n=4))
+      for s in (1, 2)],
+    *[(f"seed {s}: 64 prompts x 4 samples, lr 2e-4", s, {},
+       _quickstart(2e-4, 1000, prompts_per_step=64, n=4)) for s in (1, 2)],
+    *[(f"seed {s}: 64 prompts x 4 samples, cosine over 1600 steps", s, {},
+       _quickstart(1e-4, 1600, prompts_per_step=64, n=4)) for s in (1, 2)],
+    *[(f"seed {s}: the probe's optimizer (Adam betas 0.9/0.999, no grad clipping)", s, {},
+       _quickstart(1e-4, 1000, betas=(0.9, 0.999), clip=0.0)) for s in (1, 2)],
+]  # fmt: skip
+
+
 def schedules(
     work: Path,
     *,
@@ -369,11 +390,15 @@ def main() -> None:
         help="MODEL_DIR is a work dir: seeds 1 and 2 with the zero-std filter and without (docs/learning.md)",
     )
     p.add_argument(
-        "--only", default="", help="with --ablation/--schedules: only the rows whose label contains this"
+        "--variant-sweep",
+        action="store_true",
+        help="MODEL_DIR is a work dir: seeds 1 and 2 under model, batch-shape and optimizer variants",
     )
+    p.add_argument("--only", default="", help="with a sweep: only the rows whose label contains this")
     a = p.parse_args()
-    if a.filter_sweep:
-        for r in schedules(a.model_dir, only=a.only, rows=FILTER_SWEEP):
+    if a.filter_sweep or a.variant_sweep:
+        rows = FILTER_SWEEP if a.filter_sweep else VARIANT_SWEEP
+        for r in schedules(a.model_dir, only=a.only, rows=rows):
             at = {p["step"]: p["accuracy"] for p in r["curve"]}
             accs = " | ".join(f"{at[k]:.1%}" if k in at else "—" for k in (100, 300, 500, 700, 1000, 1600))
             print(f"| {r['schedule']} | {accs} | {r['rl_seconds']:.0f} |")

@@ -49,6 +49,8 @@ def test_the_summary_states_the_throughput_ratio_per_seed_and_the_failures() -> 
     text = summarize(results, ["async", "on_policy", "bare"], [0])
     assert "| async | 0 | 30.0% | 90.0% | 90.0% | 10 | 900 |" in text
     assert "bare loop's, same seed: 0.90×" in text and "on_policy seed 0 failed: exit 1" in text
+    assert "≥ 90%, seconds of RL: async seed 0: step 100 (10 s); bare seed 0: step 100 (10 s)" in text
+    assert Result("bare", 1, [(0, 0.0, 0.3), (50, 5.0, 0.89)]).first_reached(0.9) is None
     assert arm_flags("on_policy") == ["--max-admission-staleness", "0"] and arm_flags("lr=3e-4")[-1] == "3e-4"
     with pytest.raises(SystemExit, match="unknown arm"):
         arm_flags("sync")
@@ -151,7 +153,7 @@ def test_the_bare_arm_is_refused_for_a_recipe_it_cannot_run(capsys: pytest.Captu
     assert "quickstart only" in capsys.readouterr().err
 
 
-def test_the_bare_arm_follows_the_runs_lr_and_filter_flags() -> None:
+def test_the_bare_arm_follows_the_runs_lr_filter_batch_and_step_flags() -> None:
     flt = learning.NONZERO_STD_FILTER
     assert learning._bare_overrides(
         ["--lr", "2e-4", "--dynamic-sampling-filter-path", flt, "--seed", "3"]
@@ -161,3 +163,8 @@ def test_the_bare_arm_follows_the_runs_lr_and_filter_flags() -> None:
     }
     assert learning._bare_overrides(["--lr=3e-4", "--eval-interval", "5"]) == {"lr": "3e-4"}
     assert learning._bare_overrides(["--lr"]) == {}  # a flag without its value: the recipe run says so
+    shape = ["--rollout-batch-size", "32", "--n-samples-per-prompt=8", "--num-rollout", "1000"]
+    assert learning._bare_overrides([*shape, "--lr-decay-iters", "1000"]) == {
+        "rollout_batch_size": "32", "n_samples_per_prompt": "8",
+        "num_rollout": "1000", "lr_decay_iters": "1000",
+    }  # fmt: skip
