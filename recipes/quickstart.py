@@ -1,6 +1,6 @@
 """Fully async GRPO on a CPU in minutes: a tiny Llama learns two-digit addition.
 
-    python -m recipes.quickstart                      # about 6 minutes on 2 cores (1000 steps)
+    python -m recipes.quickstart                      # about 3 minutes on 2 cores (1000 steps)
     python -m recipes.quickstart --num-rollout 5      # a smoke run
 
 What runs (all real processes, no GPU, no network):
