@@ -398,9 +398,12 @@ def main() -> None:
     a = p.parse_args()
     if a.filter_sweep or a.variant_sweep:
         rows = FILTER_SWEEP if a.filter_sweep else VARIANT_SWEEP
+        marks = (
+            (100, 300, 500, 700, 1000, 1600) if a.filter_sweep else (0, 100, 300, 500, 700, 1000, 1300, 1600)
+        )
         for r in schedules(a.model_dir, only=a.only, rows=rows):
             at = {p["step"]: p["accuracy"] for p in r["curve"]}
-            accs = " | ".join(f"{at[k]:.1%}" if k in at else "—" for k in (100, 300, 500, 700, 1000, 1600))
+            accs = " | ".join(f"{at[k]:.1%}" if k in at else "—" for k in marks)
             print(f"| {r['schedule']} | {accs} | {r['rl_seconds']:.0f} |")
         return
     if a.schedules:

@@ -198,7 +198,8 @@ def _spread(values: list[float]) -> str:
 
 
 def summarize(results: list[Result], arms: list[str], seeds: list[int]) -> str:
-    marks = [s for s in MARK_STEPS if any(r.at(s) is not None for r in results)]
+    # a mark at or past a run's last eval point would repeat its "final" column
+    marks = [s for s in MARK_STEPS if any(r.at(s) is not None and s < r.curve[-1][0] for r in results)]
     head = ["arm", "seeds", *[f"step {s}" for s in marks], "final", "RL s", "completions/s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for arm in arms:

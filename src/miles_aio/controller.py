@@ -28,6 +28,9 @@ Tasks (all owned by `run()`'s TaskGroup):
                   weights (the engines' pause, load, stamp and continue), alongside the next step's
                   training. Awaited after that training, and before a save, an eval point or the run's
                   end (they read the pushed weights).
+  engine-load-step-<step>  reads the engines' load (`/server_info`, `perf/engine/*`) while the step
+                  trains, after the push running alongside it, if any; awaited by the step's record
+                  (bounded by the read's 2 s timeout per engine).
   free-batch-<step>  drops a recorded step's batch `METRICS_CHUNK_SAMPLES` samples at a time, the loop
                   let run between chunks (freeing 50,000 samples and their per-token lists at once
                   stalled every rollout ~50 ms); waits for nothing else.
@@ -368,7 +371,7 @@ class Controller:
         with clock.phase("train"):
             # the engines' load is read while the trainer works: its round trips (~4 ms, more when an
             # engine is busy) were part of every step when the record asked for it
-            load = tg.create_task(self.obs.engine_load(), name=f"engine-load-{step}")
+            load = tg.create_task(self._engine_load(self._push), name=f"engine-load-step-{step}")
             metrics.update(await self.trainer.train(step, groups))
         with clock.phase("weight_sync"):
             await self._pushed()  # the push that ran alongside this training (its version is now behind)
@@ -397,6 +400,13 @@ class Controller:
         # the batch's items hold its groups: `_free` lets go of them a chunk at a time (`groups` goes with
         # this frame; a trainer may keep what it was given)
         tg.create_task(self._free(batch), name=f"free-batch-{step}")
+
+    async def _engine_load(self, push: asyncio.Task[None] | None) -> dict[str, float]:
+        """The engines' load for this step's record, read once `push` (the push running alongside this
+        step's training, if any) is done: during it the engines are paused, or busy loading weights."""
+        if push is not None:
+            await asyncio.wait([push])  # its failure is its TaskGroup's to raise (see `_pushed`)
+        return await self.obs.engine_load()
 
     @staticmethod
     async def _free(batch: list[BufferItem]) -> None:

@@ -47,10 +47,12 @@ def test_the_summary_states_the_throughput_ratio_per_seed_and_the_failures() -> 
         Result("on_policy", 0, error="exit 1: see x.log"),
     ]
     text = summarize(results, ["async", "on_policy", "bare"], [0])
-    assert "| async | 0 | 30.0% | 90.0% | 90.0% | 10 | 900 |" in text
+    assert "| async | 0 | 30.0% | 90.0% | 10 | 900 |" in text  # step 50, final: no mark repeats the final
     assert "bare loop's, same seed: 0.90×" in text and "on_policy seed 0 failed: exit 1" in text
     assert "≥ 90%, seconds of RL: async seed 0: step 100 (10 s); bare seed 0: step 100 (10 s)" in text
-    assert Result("bare", 1, [(0, 0.0, 0.3), (50, 5.0, 0.89)]).first_reached(0.9) is None
+    short = Result("bare", 1, [(0, 0.0, 0.3), (50, 5.0, 0.89)], completions_per_s=1.0, rl_seconds=5.0)
+    assert short.first_reached(0.9) is None
+    assert "bare seed 1: never" in summarize([short], ["bare"], [1])
     assert arm_flags("on_policy") == ["--max-admission-staleness", "0"] and arm_flags("lr=3e-4")[-1] == "3e-4"
     with pytest.raises(SystemExit, match="unknown arm"):
         arm_flags("sync")

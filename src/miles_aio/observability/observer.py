@@ -1,6 +1,7 @@
 """`RunObserver`: what the controller's step loop reports, kept out of the controller.
 
-Per step (`end_step`): engine load (`perf/engine/*`), the eval points finished since the last step
+Per step (`end_step`): the engine load the controller read during the step (`perf/engine/*`, from
+`engine_load()`), the eval points finished since the last step
 (each gets its own line in `<run-dir>/eval_points.jsonl`, its own eval-hook call with its samples, and
 its own trace slice; the step record carries the newest point's metrics and the skip counters), the
 logging hooks (`miles_aio.observability.hooks`), every metrics sink, the trace's step slice and
@@ -107,8 +108,13 @@ class RunObserver:
 
     async def engine_load(self) -> dict[str, float]:
         """`perf/engine/*` now: one `/server_info` per engine in rotation (see `engine_load_metrics`). The
-        controller asks while the step trains, so the round trip is not part of the step's own time."""
-        return await engine_load_metrics(self.engine)
+        controller asks while the step trains, so the round trip is not part of the step's own time. A
+        metric never fails the run: a router whose `stats()` raises gives no load this step."""
+        try:
+            return await engine_load_metrics(self.engine)
+        except Exception as e:  # CancelledError is not an Exception: a cancelled read still unwinds
+            log.debug("engine load unavailable", error=repr(e))
+            return {}
 
     async def end_step(
         self,
