@@ -117,57 +117,75 @@ def test_controller_merges_engine_load_into_the_step_metrics(vrun: Any, tmp_path
         assert r["perf/engine/latency_p50_s"] == 1.0
 
 
-class SlowInfoClient(InfoClient):
-    """An engine busy enough that its `/server_info` answer takes `delay_s`."""
+class TimedInfoClient(InfoClient):
+    """One running request; answers `delay_s` after it is asked (a busy engine), and notes when."""
 
-    def __init__(self, delay_s: float) -> None:
+    def __init__(self, *, delay_s: float = 0.0) -> None:
         super().__init__([{"num_running_reqs": 1, "num_waiting_reqs": 0}])
         self.delay_s = delay_s
+        self.asked: list[float] = []
 
     async def server_info(self) -> dict[str, Any]:
+        self.asked.append(asyncio.get_running_loop().time())
         await asyncio.sleep(self.delay_s)
         return await super().server_info()
 
 
-class SlowLoadEngine(FakeLatencyEngine):
+class TimedLoadEngine(FakeLatencyEngine):
+    """The fake engine, reporting its load through `client`."""
+
+    def __init__(self, client: TimedInfoClient) -> None:
+        super().__init__(LogNormalLatency(0.05, 0.2), tokens_per_s=1000.0, seed=3)
+        self.client = client
+
     @property
     def clients(self) -> tuple[InfoClient, ...]:
-        return (SlowInfoClient(0.5),)
+        return (self.client,)
 
     def stats(self) -> dict[str, float]:
         return {}
 
 
-def recording_end_step(controller: Controller, *, delay_s: float = 0.0) -> list[float]:
-    """Wrap the controller's `obs.end_step` (after `delay_s` more): the loop times when records end."""
+def timed_run(
+    vrun: Any,
+    tmp_path: Path,
+    trainer: FakeTrainer,
+    *,
+    client: TimedInfoClient,
+    delay_s: float = 0.0,
+    **cfg: Any,
+) -> tuple[list[dict[str, Any]], list[float]]:
+    """Run a controller (data never waited for) whose records take `delay_s` more to write: the records,
+    and when each record ended on the loop's clock."""
+    config = make_config(tmp_path / "run", max_admission_staleness=4, **cfg)
+    controller = Controller(
+        config,
+        engine=TimedLoadEngine(client),
+        trainer=trainer,
+        source=make_source(n=2),
+        plugins=resolve_plugins(config),
+        tokenizer=FakeTokenizer(),
+    )
     end_step = controller.obs.end_step
     ended: list[float] = []
 
-    async def wrapped(*args: Any, **kwargs: Any) -> dict[str, float]:
+    async def slower_end_step(*args: Any, **kwargs: Any) -> dict[str, float]:
         await asyncio.sleep(delay_s)
         out = await end_step(*args, **kwargs)
         ended.append(asyncio.get_running_loop().time())
         return out
 
-    controller.obs.end_step = wrapped  # type: ignore[method-assign]
-    return ended
+    controller.obs.end_step = slower_end_step  # type: ignore[method-assign]
+    vrun(controller.run())
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    return rows, ended
 
 
 def test_the_engine_load_is_read_while_the_step_trains_not_after_it(vrun: Any, tmp_path: Path) -> None:
     """The load's round trip runs alongside the training (1 s here), so a slow answer (0.5 s) does not
     lengthen the steps: before, the record asked after training and the run took 1.5 s a step."""
-    cfg = make_config(tmp_path / "run", num_rollout=6, max_admission_staleness=4)  # data never waited for
-    controller = Controller(
-        cfg,
-        engine=SlowLoadEngine(LogNormalLatency(0.05, 0.2), tokens_per_s=1000.0, seed=3),
-        trainer=FakeTrainer(step_time_s=1.0),
-        source=make_source(n=2),
-        plugins=resolve_plugins(cfg),
-        tokenizer=FakeTokenizer(),
-    )
-    ended = recording_end_step(controller)
-    vrun(controller.run())
-    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    client = TimedInfoClient(delay_s=0.5)
+    rows, ended = timed_run(vrun, tmp_path, FakeTrainer(step_time_s=1.0), client=client, num_rollout=6)
     assert [r["perf/engine/num_running_reqs"] for r in rows] == [1.0] * 6  # every step has its load
     between = [b - a for a, b in itertools.pairwise(ended)]  # wall time from record to record
     assert between == pytest.approx([1.0] * 5, abs=0.05)
@@ -179,33 +197,11 @@ def test_writing_a_steps_record_counts_in_the_next_step_so_the_steps_add_up(
 ) -> None:
     """A record that takes 0.5 s to write (a slow log hook, a sink) is wall time of the run: it counts
     in the next step's perf/step_time_s, so benchmarks that add the steps up see it."""
-    cfg = make_config(tmp_path / "run", num_rollout=6, max_admission_staleness=4)
-    controller = Controller(
-        cfg,
-        engine=FakeLatencyEngine(LogNormalLatency(0.05, 0.2), tokens_per_s=1000.0, seed=3),
-        trainer=FakeTrainer(step_time_s=1.0),
-        source=make_source(n=2),
-        plugins=resolve_plugins(cfg),
-        tokenizer=FakeTokenizer(),
-    )
-    ended = recording_end_step(controller, delay_s=0.5)
-    vrun(controller.run())
-    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    trainer = FakeTrainer(step_time_s=1.0)
+    rows, ended = timed_run(vrun, tmp_path, trainer, client=TimedInfoClient(), delay_s=0.5, num_rollout=6)
     assert [r["perf/step_time_s"] for r in rows[1:]] == pytest.approx([1.5] * 5, abs=0.05)
     # steps 2..6 cover the wall time from step 1's times to step 6's: each record is 0.5 s before its end
     assert sum(r["perf/step_time_s"] for r in rows[1:]) == pytest.approx(ended[-1] - ended[0], abs=0.01)
-
-
-class AskedAt(InfoClient):
-    """Records when the engine is asked for its load."""
-
-    def __init__(self, asked: list[float]) -> None:
-        super().__init__([{"num_running_reqs": 1, "num_waiting_reqs": 0}])
-        self.asked = asked
-
-    async def server_info(self) -> dict[str, Any]:
-        self.asked.append(asyncio.get_running_loop().time())
-        return await super().server_info()
 
 
 class PushTimes(FakeTrainer):
@@ -223,37 +219,19 @@ class PushTimes(FakeTrainer):
 def test_with_an_overlapped_push_the_load_is_read_once_the_push_is_done(vrun: Any, tmp_path: Path) -> None:
     """--overlap-weight-push: the push of step s's weights runs alongside step s+1's training; the load
     of step s+1 is read after it, not from engines paused for the load."""
-    asked: list[float] = []
-
-    class Engine(FakeLatencyEngine):
-        @property
-        def clients(self) -> tuple[InfoClient, ...]:
-            return (AskedAt(asked),)
-
-        def stats(self) -> dict[str, float]:
-            return {}
-
-    cfg = make_config(
-        tmp_path / "run",
+    client, trainer = TimedInfoClient(), PushTimes()
+    rows, _ = timed_run(
+        vrun,
+        tmp_path,
+        trainer,
+        client=client,
         num_rollout=5,
-        max_admission_staleness=4,
         update_weight_transfer_mode="disk",
         overlap_weight_push=True,
     )
-    trainer = PushTimes()
-    controller = Controller(
-        cfg,
-        engine=Engine(LogNormalLatency(0.05, 0.2), tokens_per_s=1000.0, seed=3),
-        trainer=trainer,
-        source=make_source(n=2),
-        plugins=resolve_plugins(cfg),
-        tokenizer=FakeTokenizer(),
-    )
-    vrun(controller.run())
-    assert len(asked) == 5 and len(trainer.pushed_at) == 6  # the initial push, then one per step
+    assert len(client.asked) == 5 and len(trainer.pushed_at) == 6  # the initial push, then one per step
     # step k (k >= 2) trains alongside the push of step k-1's weights (pushed_at[k-1]); it is asked after
     for k in range(2, 6):
-        assert asked[k - 1] >= trainer.pushed_at[k - 1] - 1e-9
+        assert client.asked[k - 1] >= trainer.pushed_at[k - 1] - 1e-9
     # and still during its own training: the step did not get longer than training plus staging
-    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["perf/step_time_s"] for r in rows[1:-1]] == pytest.approx([1.0] * 3, abs=0.05)
