@@ -4,6 +4,7 @@
     python -m benchmarks.bare_grpo WORKDIR --schedules     # the lr-schedule sweep of docs/learning.md
     python -m benchmarks.bare_grpo WORKDIR --filter-sweep  # session 19's zero-std filter rows
     python -m benchmarks.bare_grpo WORKDIR --variant-sweep # session 22's model, batch and optimizer rows
+    python -m benchmarks.bare_grpo WORKDIR --width-sweep   # session 23's updates per rollout and widths
 
 What a user comparing miles_aio with "a GRPO script" would write: sample B prompts × n completions at
 temperature 1 with a KV cache, score them (exact match), group-normalised advantages, a token-mean
@@ -30,8 +31,11 @@ import torch
 from miles_aio.tasks.arithmetic import Problem, make_splits, parse_answer
 
 
-def _sample(model: Any, ids: torch.Tensor, max_new: int, temperature: float) -> torch.Tensor:
-    """`max_new` tokens per row (KV cache; the two-digit prompts all have the same length)."""
+def _sample(
+    model: Any, ids: torch.Tensor, max_new: int, temperature: float, logps: list[torch.Tensor] | None = None
+) -> torch.Tensor:
+    """`max_new` tokens per row (KV cache; the two-digit prompts all have the same length); each token's
+    log-probability under the sampling distribution goes to `logps` when given (what an engine returns)."""
     out, inp, cache = [], ids, None
     for _ in range(max_new):
         o = model(input_ids=inp, cache=cache, use_cache=True)
@@ -40,6 +44,8 @@ def _sample(model: Any, ids: torch.Tensor, max_new: int, temperature: float) -> 
             nxt = logits.argmax(-1, keepdim=True)
         else:
             nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1)
+            if logps is not None:
+                logps.append(torch.log_softmax(logits / temperature, -1).gather(-1, nxt))
         out.append(nxt)
         inp = nxt
     return torch.cat(out, 1)
@@ -78,8 +84,9 @@ MAX_FILTER_ROUNDS = 4
 """With `filter_zero_std`, at most this many more rollouts of a batch's prompts per step."""
 
 
-Rollout = tuple[list[Problem], torch.Tensor, torch.Tensor, list[list[int]], torch.Tensor]
-"""One step's sampling: (problems, prompt ids, generated ids, rows up to EOS, rewards [prompts, n])."""
+Rollout = tuple[list[Problem], torch.Tensor, torch.Tensor, list[list[int]], torch.Tensor, torch.Tensor]
+"""One step's sampling: (problems, prompt ids, generated ids, rows up to EOS, rewards [prompts, n], the
+generated tokens' sampling log-probs)."""
 
 
 def _rollout(
@@ -88,21 +95,32 @@ def _rollout(
     """`prompts` random problems × `n` samples at temperature 1."""
     problems = rng.sample(train, prompts)
     ids = torch.tensor([tok.encode(p.prompt) for p in problems]).repeat_interleave(n, 0)
+    logps: list[torch.Tensor] = []
     with torch.no_grad():
-        gen = _sample(model, ids, max_new, 1.0)
+        gen = _sample(model, ids, max_new, 1.0, logps)
     rows = _until_eos(gen, tok.eos_token_id)
     answers = _answers(tok, rows)
     rewards = torch.tensor([float(a == problems[i // n].answer) for i, a in enumerate(answers)])
-    return problems, ids, gen, rows, rewards.view(prompts, n)
+    return problems, ids, gen, rows, rewards.view(prompts, n), torch.cat(logps, 1)
 
 
 def _join(a: Rollout, b: Rollout) -> Rollout:
-    return a[0] + b[0], torch.cat([a[1], b[1]]), torch.cat([a[2], b[2]]), a[3] + b[3], torch.cat([a[4], b[4]])
+    return (
+        a[0] + b[0], torch.cat([a[1], b[1]]), torch.cat([a[2], b[2]]), a[3] + b[3], torch.cat([a[4], b[4]]),
+        torch.cat([a[5], b[5]]),
+    )  # fmt: skip
 
 
 def _select(r: Rollout, groups: list[int], n: int) -> Rollout:
     rows = [g * n + k for g in groups for k in range(n)]
-    return [r[0][g] for g in groups], r[1][rows], r[2][rows], [r[3][i] for i in rows], r[4][groups]
+    return (
+        [r[0][g] for g in groups],
+        r[1][rows],
+        r[2][rows],
+        [r[3][i] for i in rows],
+        r[4][groups],
+        r[5][rows],
+    )
 
 
 def run(
@@ -127,6 +145,8 @@ def run(
     kl_steps: int = 0,
     filter_zero_std: bool = False,
     filter_rounds: int = MAX_FILTER_ROUNDS,
+    steps_per_rollout: int = 1,
+    std_normalization: bool = True,
 ) -> dict[str, Any]:
     """Train for `steps` steps; `decoupled_lr` / `decoupled_min_lr` (default `min_lr`) are the trainer's
     --decoupled-lr / --decoupled-min-lr (the token embedding and lm_head's own peak and final lr);
@@ -174,41 +194,52 @@ def run(
 
     for step in range(1, steps + 1):
         t0 = time.monotonic()
-        problems, ids, gen, rows, rewards = _rollout(model, tok, rng, train, prompts_per_step, n, max_new)
+        batch = _rollout(model, tok, rng, train, prompts_per_step, n, max_new)
         completions += prompts_per_step * n
-        rewards_since.append(float(rewards.mean()))
+        rewards_since.append(float(batch[4].mean()))
         if filter_zero_std:  # keep the groups whose samples disagree; sample more until a batch is full
-            keep = rewards.std(1) > 0
+            keep = batch[4].std(1) > 0
             for _ in range(filter_rounds):
                 if int(keep.sum()) >= prompts_per_step:
                     break
-                more = _rollout(model, tok, rng, train, prompts_per_step, n, max_new)
+                batch = _join(batch, _rollout(model, tok, rng, train, prompts_per_step, n, max_new))
                 completions += prompts_per_step * n
-                problems, ids, gen, rows, rewards = _join((problems, ids, gen, rows, rewards), more)
-                keep = rewards.std(1) > 0
-            chosen = [i for i in range(len(problems)) if keep[i]][:prompts_per_step]
+                keep = batch[4].std(1) > 0
+            chosen = [i for i in range(len(batch[0])) if keep[i]][:prompts_per_step]
             if not chosen:  # nothing to learn from: no update (the runtime would still be sampling)
                 rl_seconds += time.monotonic() - t0
                 eval_point(step)
                 continue
-            problems, ids, gen, rows, rewards = _select((problems, ids, gen, rows, rewards), chosen, n)
-        adv = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6)).view(-1)
+            batch = _select(batch, chosen, n)
+        _problems, ids, gen, rows, rewards, rollout_logp = batch
+        centred = rewards - rewards.mean(1, keepdim=True)
+        adv = (centred / (rewards.std(1, keepdim=True) + 1e-6) if std_normalization else centred).view(-1)
         mask = torch.zeros(gen.shape, dtype=torch.float32)
         for i, r in enumerate(rows):
             mask[i, : len(r)] = 1.0
         full = torch.cat([ids, gen], 1)
-        logits = model(input_ids=full).logits[:, ids.shape[1] - 1 : -1]
-        dist = torch.log_softmax(logits.float(), -1)
-        logp = dist.gather(-1, gen.unsqueeze(-1)).squeeze(-1)
-        loss = -(adv[:, None] * logp * mask).sum() / mask.sum()
-        for group in opt.param_groups:
-            group["lr"] = lr_at(
-                step - 1, top=group["top"], low=group["low"], warmup=warmup, decay_steps=decay_steps
-            )
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
-        opt.step()
+        groups_per_update = len(rewards) // steps_per_rollout
+        for k in range(steps_per_rollout):  # each update trains its share of the groups
+            part = slice(k * groups_per_update * n, (k + 1) * groups_per_update * n)
+            logits = model(input_ids=full[part]).logits[:, ids.shape[1] - 1 : -1]
+            dist = torch.log_softmax(logits.float(), -1)
+            logp = dist.gather(-1, gen[part].unsqueeze(-1)).squeeze(-1)
+            a, m = adv[part, None], mask[part]
+            if steps_per_rollout == 1:  # on-policy: the PPO ratio is 1, so the clip never acts
+                loss = -(a * logp * m).sum() / m.sum()
+            else:  # later updates are off-policy: PPO-clip against the sampling policy (eps 0.2)
+                ratio = torch.exp(logp - rollout_logp[part])
+                per_token = torch.maximum(-a * ratio, -a * ratio.clamp(0.8, 1.2))
+                loss = (per_token * m).sum() / m.sum()
+            opt_step = (step - 1) * steps_per_rollout + k  # a step the filter leaves empty still counts
+            for group in opt.param_groups:
+                group["lr"] = lr_at(
+                    opt_step, top=group["top"], low=group["low"], warmup=warmup, decay_steps=decay_steps
+                )
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
+            opt.step()
         if step <= kl_steps:  # ablation only: its runs report no throughput
             with torch.no_grad():
                 after = torch.log_softmax(model(input_ids=full).logits[:, ids.shape[1] - 1 : -1].float(), -1)
@@ -330,6 +361,26 @@ VARIANT_SWEEP: list[tuple[str, int, dict[str, Any], dict[str, Any]]] = [
 ]  # fmt: skip
 
 
+WIDTH_SWEEP: list[tuple[str, int, dict[str, Any], dict[str, Any]]] = [
+    # session 23 (docs/learning.md): more updates per rollout, Dr. GRPO, and a wider model (the quickstart's
+    # 1000-step schedule at lr 1e-4; "hidden" rows warm-start that width, MLP 4x unless they say otherwise)
+    *[(f"seed {s}: 2 optimizer steps per rollout (PPO-clip against the sampling policy), cosine over 2000",
+       s, {}, {**_quickstart(1e-4, 1000), "decay_steps": 2000, "steps_per_rollout": 2}) for s in (1, 2)],
+    *[(f"seed {s}: 4 optimizer steps per rollout, cosine over 4000", s, {},
+       {**_quickstart(1e-4, 1000), "decay_steps": 4000, "steps_per_rollout": 4}) for s in (1, 2)],
+    *[(f"seed {s}: Dr. GRPO (advantages not divided by the group's std)", s, {},
+       _quickstart(1e-4, 1000, std_normalization=False)) for s in (1, 2)],
+    *[(f"seed {s}: hidden 192", s, {"hidden_size": 192, "intermediate_size": 768}, _quickstart(1e-4, 1000))
+      for s in (1, 2)],
+    *[(f"seed {s}: hidden 256 (the quickstart's since session 23)", s,
+       {"hidden_size": 256, "intermediate_size": 1024}, _quickstart(1e-4, 1000)) for s in (1, 2)],
+    ("seed 2: hidden 256, MLP 512", 2, {"hidden_size": 256, "intermediate_size": 512},
+     _quickstart(1e-4, 1000)),
+    ("seed 2: hidden 256, 32 prompts x 4 samples", 2, {"hidden_size": 256, "intermediate_size": 1024},
+     _quickstart(1e-4, 1000, n=4)),
+]  # fmt: skip
+
+
 def schedules(
     work: Path,
     *,
@@ -339,7 +390,8 @@ def schedules(
 ) -> list[dict[str, Any]]:
     """The schedule sweep: each row (those whose label contains `only`) trains the quickstart's warm start
     (torch.nn's init, stopped at 40% on the training probe, checked every 10 steps; cached per seed and
-    overrides) for 700 steps (unless the row says `steps`), on `threads` threads (two rows can run side
+    overrides; 128 wide, as the quickstart was until session 23, unless the row's overrides say
+    `hidden_size`) for 700 steps (unless the row says `steps`), on `threads` threads (two rows can run side
     by side on 2 cores)."""
     from miles_aio.tasks.arithmetic import warm_start
 
@@ -394,10 +446,15 @@ def main() -> None:
         action="store_true",
         help="MODEL_DIR is a work dir: seeds 1 and 2 under model, batch-shape and optimizer variants",
     )
+    p.add_argument(
+        "--width-sweep",
+        action="store_true",
+        help="MODEL_DIR is a work dir: seeds 1 and 2 with more updates per rollout, Dr. GRPO, wider models",
+    )
     p.add_argument("--only", default="", help="with a sweep: only the rows whose label contains this")
     a = p.parse_args()
-    if a.filter_sweep or a.variant_sweep:
-        rows = FILTER_SWEEP if a.filter_sweep else VARIANT_SWEEP
+    if a.filter_sweep or a.variant_sweep or a.width_sweep:
+        rows = FILTER_SWEEP if a.filter_sweep else VARIANT_SWEEP if a.variant_sweep else WIDTH_SWEEP
         marks = (
             (100, 300, 500, 700, 1000, 1600) if a.filter_sweep else (0, 100, 300, 500, 700, 1000, 1300, 1600)
         )

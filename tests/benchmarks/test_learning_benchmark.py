@@ -170,3 +170,29 @@ def test_the_bare_arm_follows_the_runs_lr_filter_batch_and_step_flags() -> None:
         "rollout_batch_size": "32", "n_samples_per_prompt": "8",
         "num_rollout": "1000", "lr_decay_iters": "1000",
     }  # fmt: skip
+
+
+def test_the_bare_loops_sampling_log_probs_are_the_policys(tmp_path: Path) -> None:
+    """What `steps_per_rollout` > 1 clips its PPO ratio against: each sampled token's log-prob, as a full
+    forward of the same weights gives it (so the first update's ratio is 1)."""
+    from transformers import AutoModelForCausalLM
+
+    from miles_aio.models.tiny import load_tokenizer
+    from miles_aio.tasks.arithmetic import make_splits
+
+    model_dir = build_tiny_llama(
+        tmp_path / "m", alphabet=ALPHABET, hidden_size=32, num_heads=2, num_kv_heads=1
+    )
+    tok, model = load_tokenizer(model_dir), AutoModelForCausalLM.from_pretrained(model_dir)
+    ids = torch.tensor([tok.encode(p.prompt) for p in make_splits()[1][:8]]).repeat_interleave(4, 0)
+    logps: list[torch.Tensor] = []
+    with torch.no_grad():
+        gen = bare_grpo._sample(model, ids, 4, 1.0, logps)
+        logits = model(input_ids=torch.cat([ids, gen], 1)).logits[:, ids.shape[1] - 1 : -1]
+    full = torch.log_softmax(logits.float(), -1).gather(-1, gen.unsqueeze(-1)).squeeze(-1)
+    assert torch.allclose(torch.cat(logps, 1), full, atol=1e-5)
+    out = bare_grpo.run(
+        model_dir, steps=2, lr=1e-3, prompts_per_step=4, n=4, eval_interval=2, threads=1, steps_per_rollout=2,
+        std_normalization=False,
+    )  # fmt: skip
+    assert out["completions"] == 2 * 4 * 4 and [p["step"] for p in out["curve"]] == [0, 2]

@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
-from miles_aio.trainer.actor import TrainerActor, TrainerRankError
+from miles_aio.trainer.actor import TrainerActor, TrainerRankError, rank_threads
 from miles_aio.trainer.config import TrainConfig
 from tests.trainer.helpers import alive, children_of, make_batch, run
 from tests.trainer.helpers import train_cfg as _cfg
@@ -170,6 +172,28 @@ def test_rank_threads_leave_the_embedded_engines_their_cores(model_dir: Path, tm
     cores = os.cpu_count() or 1
     assert run(threads(_cfg(model_dir))) == max(1, cores - 1)  # one core for the one engine thread
     assert run(threads(_cfg(model_dir, trainer_num_threads=3))) == 3  # the flag overrides
+    assert run(threads(_cfg(model_dir, trainer_num_threads=-1))) == cores  # every core, the engine's too
+
+
+@given(
+    setting=st.integers(-1, 8),
+    cores=st.integers(1, 64),
+    engine_threads=st.integers(0, 64),
+    world=st.integers(1, 8),
+)
+def test_rank_threads(setting: int, cores: int, engine_threads: int, world: int) -> None:
+    got = rank_threads(setting, cores=cores, engine_threads=engine_threads, world=world)
+    assert got >= 1
+    if setting > 0:
+        assert got == setting
+    elif setting == -1:  # the engines' cores count too
+        assert (
+            got
+            == max(1, cores // world)
+            >= rank_threads(0, cores=cores, engine_threads=engine_threads, world=world)
+        )
+    else:  # the ranks together take no more than the free cores, unless one thread each is already more
+        assert got * world <= max(cores - engine_threads, world)
 
 
 @pytest.mark.timeout(90)

@@ -77,7 +77,7 @@ from miles_aio.trainer.rank_main import CONTROLLER_ENV, LOCAL_RENDEZVOUS_ENV, PA
 from miles_aio.trainer.reward_post import RewardPostProcess
 from miles_aio.types import Group
 
-__all__ = ["TrainerActor", "TrainerRankError"]
+__all__ = ["TrainerActor", "TrainerRankError", "rank_threads"]
 
 log = structlog.get_logger("miles_aio.trainer")
 _TERM_GRACE_S: Final = 5.0
@@ -223,8 +223,11 @@ class TrainerActor:
     async def _spawn_ranks(self, secret: bytes) -> None:
         assert self._tg is not None
         host, port = self._listener.address
-        threads = self.cfg.trainer_num_threads or max(
-            1, ((os.cpu_count() or 1) - self._engine_threads) // self._world
+        threads = rank_threads(
+            self.cfg.trainer_num_threads,
+            cores=os.cpu_count() or 1,
+            engine_threads=self._engine_threads,
+            world=self._world,
         )
         base = {
             **os.environ,
@@ -674,6 +677,15 @@ async def _terminate(rank: int, proc: asyncio.subprocess.Process) -> None:
         log.warning("trainer: rank ignored SIGTERM, killing it", rank=rank, pid=proc.pid)
         _signal_group(proc, signal.SIGKILL)
         await proc.wait()
+
+
+def rank_threads(setting: int, *, cores: int, engine_threads: int, world: int) -> int:
+    """torch threads per CPU trainer rank for `--trainer-num-threads` `setting`: itself when > 0; 0: the
+    cores the embedded engines leave free; -1: every core. Either split over the `world` ranks, at least 1."""
+    if setting > 0:
+        return setting
+    free = cores if setting == -1 else cores - engine_threads
+    return max(1, free // world)
 
 
 def _signal_group(proc: asyncio.subprocess.Process, sig: signal.Signals) -> None:

@@ -87,7 +87,8 @@ class TrainConfig:
     trainer_num_threads: int = opt(
         0,
         "torch threads per CPU trainer rank (0: the cores the embedded engines leave free, split over the "
-        "ranks; oversubscribed cores make both several times slower).",
+        "ranks; -1: every core, split over the ranks and shared with the engines, which pays when the "
+        "trainer sets the pace and the engines idle while they wait for its weights).",
     )
 
     # -- batch arithmetic ------------------------------------------------------------------------------
@@ -291,7 +292,11 @@ class TrainConfig:
         )
         _require(self.lr_warmup_iters >= 0, "lr_warmup_iters", f"must be >= 0, got {self.lr_warmup_iters}")
         _require(0 <= self.trainer_port < 65536, "trainer_port", f"must be a port, got {self.trainer_port}")
-        _require(self.trainer_num_threads >= 0, "trainer_num_threads", "must be >= 0 (0: automatic)")
+        _require(
+            self.trainer_num_threads >= -1,
+            "trainer_num_threads",
+            f"must be >= -1 (0: the free cores, -1: every core), got {self.trainer_num_threads}",
+        )
 
     def _check_combinations(self) -> None:
         if self.tis_clip <= self.tis_clip_low:
