@@ -48,7 +48,8 @@ DEFAULTS: dict[str, Any] = {
     "save_interval": 100,  # into <run-dir>/checkpoints unless --save is given; the last step too
     # trainer: one rank, GRPO with truncated importance sampling, one optimizer step per rollout (the
     # derived --global-batch-size: every sample of the rollout, whatever the batch flags say)
-    # lr: with --model-init torch (the default) 1e-4 to 3e-4 all learn (docs/learning.md). What limits
+    # lr: with --model-init torch (the default) 1e-4 to 3e-4 all learned at 128 wide; at 256 wide 3e-4
+    # collapses (session 23, docs/learning.md), so 1e-4 is the safe end of the range. What limits
     # the pace is how fast the policy can sharpen: its logits scale with lm_head, which AdamW moves by
     # ~lr per weight per step, so the embedding and lm_head get Megatron's --decoupled-lr, 50x the rest
     # (as µP-style recipes give the input and output layers their own lr); 20 warmup steps, cosine decay.
@@ -72,8 +73,8 @@ DEFAULTS: dict[str, Any] = {
 
 
 HIDDEN_SIZE = 256
-"""The tiny Llama's width. At 128 (sessions 7-22) 1000 steps ended at 81.5-91.5% by seed, in the bare loop
-too; at 256 each step learns more, and every seed passes 90% within 5 minutes (docs/learning.md)."""
+"""The tiny Llama's width. At 128 (sessions 7-22) 1000 steps ended at 83-91.5% by seed (the bare loop at
+80.5-92%); at 256 each step learns more, and every seed passes 90% within 5 minutes (docs/learning.md)."""
 
 VLLM_MIN_HEAD_DIM = 64
 """vLLM's CPU attention has kernels for head_dim 64 and up (256 hidden over 4 heads is 64)."""
@@ -96,8 +97,9 @@ class Options:
     )
     model_init: Init = opt(
         "torch",
-        "How the tiny Llama's weights are drawn before the warm start: torch (torch.nn's defaults; RL "
-        "tolerates lr 1e-4 to 3e-4) or transformers (N(0, 0.02); one Adam step at 3e-4 jolts the policy).",
+        "How the tiny Llama's weights are drawn before the warm start: torch (torch.nn's defaults; at "
+        "128 wide RL tolerated lr 1e-4 to 3e-4; at 256, 3e-4 collapses) or transformers (N(0, 0.02); one "
+        "Adam step at 3e-4 jolts the policy).",
     )
 
     model_heads: int = opt(
