@@ -772,8 +772,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--no-short", action="store_true", help="skip the short (adversarial) case")
     add("--repeats", type=int, default=3, help="interleaved rounds; ratios are their median (default: 3)")
     add("--cpu-turns", type=int, default=1500, help="turns per no-engine measurement (default: 1500)")
-    add("--hidden-size", type=int, default=128, help="the model's hidden size (default: 128, the recipes')")
-    add("--layers", type=int, default=2, help="the model's layers (default: 2, the recipes')")
+    add(
+        "--hidden-size",
+        type=int,
+        default=128,
+        help="the model's hidden size (default: 128, agent_calculator's)",
+    )
+    add("--layers", type=int, default=2, help="the model's layers (default: 2, agent_calculator's)")
     add("--profile", type=Path, default=None, help="write a CPU-time cProfile of the no-engine endpoint here")
     add("--quick", action="store_true", help="a tiny configuration, for a smoke run of a few seconds")
     add("--agent-process", action="store_true", help=argparse.SUPPRESS)
@@ -817,7 +822,7 @@ def main() -> None:
         )
     )
     profile = cProfile.Profile(time.process_time) if args.profile else None
-    size = "the recipes' size" if (hidden, layers) == (128, 2) else "smaller than the recipes'"
+    size = "agent_calculator's size" if (hidden, layers) == (128, 2) else "smaller than agent_calculator's"
     model_name = f"random-init Llama with role tokens (hidden {hidden}, {layers} layer(s): {size})"
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

@@ -148,8 +148,11 @@ def run(
     steps_per_rollout: int = 1,
     std_normalization: bool = True,
 ) -> dict[str, Any]:
-    """Train for `steps` steps; `decoupled_lr` / `decoupled_min_lr` (default `min_lr`) are the trainer's
-    --decoupled-lr / --decoupled-min-lr (the token embedding and lm_head's own peak and final lr);
+    """Train for `steps` steps; `steps_per_rollout` splits each step's groups into that many optimizer
+    steps, PPO-clipped (eps 0.2) against the sampling log-probs (the later ones are off-policy);
+    `std_normalization` False: Dr. GRPO's advantages (rewards centred per group, not divided by its std);
+    `decoupled_lr` / `decoupled_min_lr` (default `min_lr`) are the trainer's --decoupled-lr /
+    --decoupled-min-lr (the token embedding and lm_head's own peak and final lr);
     `lr_scale` multiplies the lr of parameters whose name contains a key (the ablation's "which component
     is sensitive"); the first `kl_steps` steps also record how far the update moved the policy:
     KL(before ‖ after) per response token of that step's batch. `filter_zero_std`: the recipe's
@@ -160,6 +163,8 @@ def run(
 
     from miles_aio.models.tiny import load_tokenizer
 
+    if steps_per_rollout < 1 or (kl_steps and steps_per_rollout != 1):
+        raise ValueError("steps_per_rollout must be >= 1, and 1 with kl_steps (the KL is per rollout)")
     torch.set_num_threads(threads or os.cpu_count() or 1)
     torch.manual_seed(seed)
     rng = random.Random(seed)
@@ -218,9 +223,11 @@ def run(
         for i, r in enumerate(rows):
             mask[i, : len(r)] = 1.0
         full = torch.cat([ids, gen], 1)
-        groups_per_update = len(rewards) // steps_per_rollout
-        for k in range(steps_per_rollout):  # each update trains its share of the groups
-            part = slice(k * groups_per_update * n, (k + 1) * groups_per_update * n)
+        shares = torch.arange(len(rewards)).tensor_split(steps_per_rollout)
+        for k, share in enumerate(shares):  # each update trains its share of the groups (none: no update)
+            if not len(share):
+                continue
+            part = slice(int(share[0]) * n, (int(share[-1]) + 1) * n)
             logits = model(input_ids=full[part]).logits[:, ids.shape[1] - 1 : -1]
             dist = torch.log_softmax(logits.float(), -1)
             logp = dist.gather(-1, gen[part].unsqueeze(-1)).squeeze(-1)

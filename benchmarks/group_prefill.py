@@ -3,8 +3,9 @@
     python -m benchmarks.group_prefill [--groups 32] [--n 8] [--prompt-len 6] [--new-tokens 4] [--repeats 12]
                                        [--output bench-results/group_prefill.json]
 
-In this process: the real scheduler (`LocalEngine`) and runner, one compute thread, on a tiny Llama as the
-quickstart builds it (hidden 128, 2 layers, character vocabulary). Each batch is `--groups` random prompts
+In this process: the real scheduler (`LocalEngine`) and runner, one compute thread, on a tiny Llama of the
+quickstart's shape until session 23 (hidden 128, 2 layers, character vocabulary; this benchmark's figures
+were measured with it). Each batch is `--groups` random prompts
 × `--n` samples, all queued at once; the batch's wall time is from queueing to its last answer. Batches
 alternate between two in-batch sharing thresholds (`miles_aio.engine.core._SHARE_MIN_TOKENS`): SGLang's
 32, under which a short prompt is prefilled by every sample of its group, and this engine's 2, under which
