@@ -141,6 +141,7 @@ def model_shape(opts: Options) -> dict[str, Any]:
 
 
 def check(cfg: RunConfig, args: RecipeArgs[Options]) -> None:
+    """Before anything starts: a model the chosen engine can serve."""
     opts = args.options
     head_dim = opts.model_hidden_size // opts.model_heads
     if cfg.engine.rollout_backend == "vllm" and head_dim < VLLM_MIN_HEAD_DIM:

@@ -240,12 +240,23 @@ def test_abort_pause_without_partial_rollout_returns_what_was_made(target: Targe
             await client.update_weight_version(before)
             params = {"max_new_tokens": BUDGET, "temperature": 1.0, "ignore_eos": True}
             try:
+                started = asyncio.Event()
+
+                async def probe(chunk: GenerateChunk) -> None:
+                    started.set()
+
                 async with asyncio.TaskGroup() as tg:
                     tasks = [
                         tg.create_task(client.generate(input_ids=[*PROMPT, i], sampling_params=params))
                         for i in range(4)
                     ]
-                    await asyncio.sleep(0.2)
+                    # pause once decoding has begun (a streamed probe's first chunk), not after a fixed
+                    # sleep: on a quiet machine 0.2 s came after all 240 tokens
+                    tg.create_task(
+                        client.generate_stream(input_ids=[*PROMPT, 9], sampling_params=params, on_chunk=probe)
+                    )
+                    await started.wait()
+                    await asyncio.sleep(0.02)
                     await client.pause_generation("abort")
                     outs = [await t for t in tasks]  # answered while the engine is still paused
                     await client.update_weight_version(before + 1)
