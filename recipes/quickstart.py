@@ -76,6 +76,8 @@ HIDDEN_SIZE = 256
 """The tiny Llama's width. At 128 (sessions 7-22) 1000 steps ended at 83-91.5% by seed (the bare loop at
 80.5-92%); at 256 each step learns more, and every seed passes 90% within 5 minutes (docs/learning.md)."""
 
+HIDDEN_SIZE_HELP = "Hidden size of the tiny Llama (its MLP is 4x as wide); a multiple of 2 × --model-heads."
+
 VLLM_MIN_HEAD_DIM = 64
 """vLLM's CPU attention has kernels for head_dim 64 and up (256 hidden over 4 heads is 64)."""
 
@@ -105,10 +107,7 @@ class Options:
     model_heads: int = opt(
         4, "Attention heads of the tiny Llama (key/value heads min(2, this)); one of 1, 2, 4, 8."
     )
-    model_hidden_size: int = opt(
-        HIDDEN_SIZE,
-        "Hidden size of the tiny Llama (its MLP is 4x as wide); a multiple of 2 × --model-heads.",
-    )
+    model_hidden_size: int = opt(HIDDEN_SIZE, HIDDEN_SIZE_HELP)
 
     def __post_init__(self) -> None:
         if self.model_heads not in (1, 2, 4, 8):

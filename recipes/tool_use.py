@@ -104,9 +104,7 @@ def solve(model: Any, tok: Any, problems: Sequence[Problem]) -> list[str]:
 class Options(quickstart.Options):
     """The quickstart's flags, with the model its figures in docs/learning.md were measured with."""
 
-    model_hidden_size: int = opt(
-        128, "Hidden size of the tiny Llama (its MLP is 4x as wide); a multiple of 2 × --model-heads."
-    )
+    model_hidden_size: int = opt(128, quickstart.HIDDEN_SIZE_HELP)
 
 
 def prepare(cfg: RunConfig, args: RecipeArgs[Options]) -> None:
