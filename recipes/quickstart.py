@@ -48,8 +48,7 @@ DEFAULTS: dict[str, Any] = {
     "save_interval": 100,  # into <run-dir>/checkpoints unless --save is given; the last step too
     # trainer: one rank, GRPO with truncated importance sampling, one optimizer step per rollout (the
     # derived --global-batch-size: every sample of the rollout, whatever the batch flags say)
-    # lr: with --model-init torch (the default) 1e-4 to 3e-4 all learned at 128 wide; at 256 wide 3e-4
-    # collapses (session 23, docs/learning.md), so 1e-4 is the safe end of the range. What limits
+    # lr: with --model-init torch (the default) 1e-4 to 3e-4 all learn (with OPSM, below). What limits
     # the pace is how fast the policy can sharpen: its logits scale with lm_head, which AdamW moves by
     # ~lr per weight per step, so the embedding and lm_head get Megatron's --decoupled-lr, 50x the rest
     # (as µP-style recipes give the input and output layers their own lr); 20 warmup steps, cosine decay.
@@ -62,6 +61,12 @@ DEFAULTS: dict[str, Any] = {
     "lr_decay_style": "cosine",
     "lr_decay_iters": 1000,  # fixed, not --num-rollout's: a smoke run (--num-rollout 5) just ends in warmup
     "use_tis": True,
+    # DeepSeek-V3.2's off-policy sequence masking: a negative-advantage sample the policy has already moved
+    # away from (mean log π_rollout − log π > --opsm-delta) is not pushed down further. Without it, at
+    # --lr 3e-4 the stale batches (2-3 versions old) let the policy overshoot and collapse (48.5% → 4% by
+    # step 275, seed 0), where the bare on-policy loop did not; with it that run reached 78.5% at step 300
+    # (session 24, docs/learning.md)
+    "use_opsm": True,
     "micro_batch_size": 256,
     # the trainer sets the pace and the engine idles while it waits for the new weights: on 2 cores its
     # 2 threads took a step from 0.34 to 0.28 s (a 150-step run each; docs/learning.md)
@@ -99,9 +104,8 @@ class Options:
     )
     model_init: Init = opt(
         "torch",
-        "How the tiny Llama's weights are drawn before the warm start: torch (torch.nn's defaults; at "
-        "128 wide RL tolerated lr 1e-4 to 3e-4; at 256, 3e-4 collapses) or transformers (N(0, 0.02); one "
-        "Adam step at 3e-4 jolts the policy).",
+        "How the tiny Llama's weights are drawn before the warm start: torch (torch.nn's defaults; RL "
+        "learns at lr 1e-4 to 3e-4) or transformers (N(0, 0.02); one Adam step at 3e-4 jolts the policy).",
     )
 
     model_heads: int = opt(

@@ -141,6 +141,7 @@ RECIPE = Recipe(
         "lr_warmup_iters": 0,
         "lr_decay_style": "constant",
         "lr_decay_iters": None,
+        "use_opsm": False,  # its figures predate the quickstart's OPSM (session 24)
         "trainer_num_threads": 0,  # the free cores, as its figures were measured (not the quickstart's -1)
         # 64 running requests and no --pack-shared-prompts (the quickstart's is a conditional default)
         "engine_max_running_requests": 64,

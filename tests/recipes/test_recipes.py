@@ -112,6 +112,7 @@ def test_quickstart_end_to_end(tmp_path: Path) -> None:
         for key in BUFFER_STALENESS:
             assert (f"rollout/fully_async/{key}" in r) == (r["rollout/fully_async/queue_size"] > 0)
         assert {"perf/trainer_idle_ratio", "perf/rollout_blocked_ratio", "train/loss"} <= r.keys()
+        assert "train/opsm_masked_seqs" in r  # the recipe's off-policy sequence masking is on
     evals = [r for r in rows if "eval/step" in r]
     assert [r["eval/step"] for r in evals] == [0, 2, 4]
     for r in evals:
@@ -187,6 +188,7 @@ def test_tool_use_trains_two_steps(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
+    assert not any("train/opsm_masked_seqs" in r for r in rows)  # as its figures were measured
 
 
 HOOKS = "tests.recipes.agent_hooks"  # they write the trained and evaluated samples to the run dir
