@@ -370,8 +370,8 @@ DEFAULTS: dict[str, Any] = {
     "eval_temperature": 0.0,
     "eval_max_response_len": 80,
     "save_interval": 100,  # into <run-dir>/checkpoints unless --save is given; the last step too
-    # trainer: the quickstart's (GRPO + truncated importance sampling), one optimizer step per rollout
-    # (the derived --global-batch-size: every sample of the rollout)
+    # trainer: as the quickstart's (GRPO + truncated importance sampling, without its OPSM), one optimizer
+    # step per rollout (the derived --global-batch-size: every sample of the rollout)
     "lr": 3e-5,
     "use_tis": True,
     "micro_batch_size": 128,

@@ -1,13 +1,14 @@
 """Fully async GRPO on a CPU in minutes: a tiny Llama learns two-digit addition.
 
-    python -m recipes.quickstart                      # about 6 minutes on 2 cores (1000 steps)
+    python -m recipes.quickstart                      # 6-10 minutes on 2 cores (1000 steps)
     python -m recipes.quickstart --num-rollout 5      # a smoke run
 
 What runs (all real processes, no GPU, no network):
   1. warm start: build a tiny Llama (2M parameters, character tokenizer) and fine-tune it on a little
      supervised data until it is right ~40% of the time (RL from random init never sees a reward);
   2. the embedded engine (`python -m miles_aio.engine`) serves it over SGLang's HTTP API;
-  3. a trainer rank (torch.distributed, gloo) trains it with GRPO + truncated importance sampling;
+  3. a trainer rank (torch.distributed, gloo) trains it with GRPO + truncated importance sampling +
+     off-policy sequence masking;
   4. the controller runs fully async: rollout never waits for training; weights are pushed to the
      engine after every step (disk transfer), and 200 held-out problems are evaluated greedily every
      few steps on the same engine, without stopping rollout.
@@ -63,9 +64,9 @@ DEFAULTS: dict[str, Any] = {
     "use_tis": True,
     # DeepSeek-V3.2's off-policy sequence masking: a negative-advantage sample the policy has already moved
     # away from (mean log π_rollout − log π > --opsm-delta) is not pushed down further. Without it, at
-    # --lr 3e-4 the stale batches (2-3 versions old) let the policy overshoot and collapse (48.5% → 4% by
-    # step 275, seed 0), where the bare on-policy loop did not; with it that run reached 78.5% at step 300
-    # (session 24, docs/learning.md)
+    # --lr 3e-4 the run collapsed (48% → 4% by step 275, seed 0), most likely because its batches are
+    # 2-3 versions old: the bare on-policy loop learned at 3e-4; with OPSM that run reached 78.5% at step
+    # 300, and 3 seeds of 1000 steps end at 96.5-98.0% (session 24, docs/learning.md)
     "use_opsm": True,
     "micro_batch_size": 256,
     # the trainer sets the pace and the engine idles while it waits for the new weights: on 2 cores its

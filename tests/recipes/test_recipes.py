@@ -188,6 +188,7 @@ def test_tool_use_trains_two_steps(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
+    assert all("train/loss" in r for r in rows)  # it trained, and logged its loss metrics
     assert not any("train/opsm_masked_seqs" in r for r in rows)  # as its figures were measured
 
 
